@@ -1,0 +1,1 @@
+"""torch_gdr: the chunked gated delta rule as a PyTorch op."""

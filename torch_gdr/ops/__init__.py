@@ -1,0 +1,1 @@
+"""torch_gdr.ops."""

@@ -54,3 +54,43 @@ def run_in_canonical_layout(
     if state_v_first:
         final_state = final_state.transpose(-1, -2)
     return o.contiguous(), final_state.contiguous()
+
+
+def run_backward_in_canonical_layout(
+    backward,
+    grad_o: torch.Tensor,
+    grad_final_state: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Optional[torch.Tensor],
+    chunk_size: int,
+    state_v_first: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Run a backend's ``backward`` (batched layout, key-first states, returning
+    ``(dq, dk, dv, dg, dbeta, d_initial_state or None)``) on a call in any public layout;
+    the gradients come back in the layouts of their inputs."""
+    token_major = q.dim() == 3
+    if token_major:
+        grad_o, q, k, v, g, beta = (t.unsqueeze(0) for t in (grad_o, q, k, v, g, beta))
+    if state_v_first:
+        if initial_state is not None:
+            initial_state = initial_state.transpose(-1, -2)
+        if grad_final_state is not None:
+            grad_final_state = grad_final_state.transpose(-1, -2)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    dq, dk, dv, dg, dbeta, d_initial = backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
+                                                use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+    grads = [dq, dk, dv, dg, dbeta]
+    if token_major:
+        grads = [t.squeeze(0) for t in grads]
+    if d_initial is not None and state_v_first:
+        d_initial = d_initial.transpose(-1, -2)
+    return tuple(t.contiguous() for t in grads) + (None if d_initial is None else d_initial.contiguous(),)

@@ -2,7 +2,8 @@
 
 The default implementation runs the pure-torch chunked algorithm on any device. The
 backward is an op of its own (``gdr::chunked_gated_delta_rule_backward``), so that
-``torch.compile`` traces both as opaque nodes.
+``torch.compile`` traces both as opaque nodes; its implementation is the hand-written
+chunked backward (:mod:`torch_gdr.ref.chunk_backward`), which saves nothing but the inputs.
 
 Schema notes: ``torch.library`` does not allow keyword-only tensor arguments, nor an
 optional tensor in the outputs, so the op takes every argument positionally or by name
@@ -16,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from torch_gdr._layout import run_in_canonical_layout
+from torch_gdr._layout import run_backward_in_canonical_layout, run_in_canonical_layout
 from torch_gdr._validate import check_cu_seqlens_values, check_inputs
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ref.chunk import _forward_impl
+from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.utils import compute_dtype_for
 
 Tensor = torch.Tensor
@@ -41,6 +43,13 @@ def _final_state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], state
     return [num_seqs, num_v_heads] + inner
 
 
+def _chunked_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                     initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                     cu_seqlens: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor]:
+    del output_final_state  # the layout wrapper always wants the final state
+    return _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+
+
 @torch.library.custom_op("gdr::chunked_gated_delta_rule", mutates_args=())
 def chunked_gated_delta_rule(
     q: Tensor,
@@ -61,7 +70,7 @@ def chunked_gated_delta_rule(
     float64 for float64 inputs), or an empty tensor when ``output_final_state`` is False."""
     _check_real(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     o, final_state = run_in_canonical_layout(
-        chunk_gated_delta_rule_fwd, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+        _chunked_forward, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
         cu_seqlens, chunk_size, state_v_first)
     return o, (final_state if output_final_state else final_state.new_empty(0))
 
@@ -93,8 +102,8 @@ def chunked_gated_delta_rule_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the op: ``(dq, dk, dv, dg, dbeta, d_initial_state)``, each in the
     dtype and layout of its input (``d_initial_state`` empty when there is none)."""
-    return _recompute_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
-                               use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+    return _hand_written_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
+                                  use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
 
 
 @chunked_gated_delta_rule_backward.register_fake
@@ -104,33 +113,17 @@ def _(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta)) + (d_initial,)
 
 
-def _autograd_enabled_guard() -> Any:
-    """Re-enable autograd inside an op implementation, where the dispatcher switched it off."""
-    excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
-
-
-def _recompute_backward(grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                        g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor],
-                        use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
-                        state_v_first: bool) -> tuple[Tensor, ...]:
-    """Backward by recomputing the chunked forward under autograd."""
-    inputs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
-    if initial_state is not None:
-        inputs.append(initial_state.detach().requires_grad_())
-    with _autograd_enabled_guard(), torch.enable_grad():
-        o, final_state = run_in_canonical_layout(
-            chunk_gated_delta_rule_fwd, *inputs[:5], scale, inputs[5] if initial_state is not None else None,
-            use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
-        outputs, grads = [o], [grad_o]
-        if grad_final_state is not None and grad_final_state.numel() > 0:
-            outputs.append(final_state)
-            grads.append(grad_final_state)
-        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-    result = [x.new_zeros(x.shape) if d is None else d.to(x.dtype).contiguous() for d, x in zip(found, inputs)]
-    if initial_state is None:
-        result.append(q.new_empty(0))
-    return tuple(result)
+def _hand_written_backward(grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                           g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor],
+                           use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
+                           state_v_first: bool) -> tuple[Tensor, ...]:
+    """The chunked backward of :mod:`torch_gdr.ref.chunk_backward` in the call's layout."""
+    if grad_final_state is not None and grad_final_state.numel() == 0:
+        grad_final_state = None
+    *grads, d_initial = run_backward_in_canonical_layout(
+        chunk_gated_delta_rule_bwd, grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
+        use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+    return tuple(grads) + (q.new_empty(0) if d_initial is None else d_initial,)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

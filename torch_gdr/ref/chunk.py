@@ -10,40 +10,223 @@ Each sequence is cut into chunks of ``C`` tokens. With ``gamma`` the cumulative 
     O  = (exp(gamma) * Q) S + (Q K^T * Gamma) V'
     S <- exp(gamma_C) S + (exp(gamma_C - gamma) * K)^T V'
 
-Everything but the last three lines is computed for all chunks of all sequences and
-heads at once; only the state recurrence loops over the chunk index.
+Layout: every per-token tensor is kept chunk-major, ``[NC, N * HV, C, D]`` (NC chunks,
+N sequences, HV value heads). The parallel parts (decays, the UT transform, the intra-chunk
+attention, the output) are single batched matmuls over all ``NC * N * HV`` chunks; the
+state recurrence loops over the chunk index only, and each step works on the contiguous
+slice ``[c]`` of preallocated buffers (``out=``, no per-chunk copies or zero fills).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from einops import rearrange
 
-from torch_gdr.ref.utils import SequencePadding, compute_dtype_for, l2norm, repeat_kv_heads
+from torch_gdr.ref.triangular import unit_lower_inverse
+from torch_gdr.ref.utils import SequencePadding, compute_dtype_for, l2norm
+
+Tensor = torch.Tensor
 
 
-def _causal_masks(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower-triangular masks ``[C, C]``: with the diagonal and strictly below it."""
-    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
-    return lower, lower.tril(-1)
+# --------------------------------------------------------------------------------------
+# Layout: [B, T, H, ...] tokens <-> chunk-major [NC, N * HV, C, ...]
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class ChunkLayout:
+    """How tokens of a call map onto chunk-major tensors ``[NC, N * HV, C, ...]``.
+
+    Value head ``h`` reads q/k head ``h // group``; every sequence starts a fresh chunk and
+    is zero-padded to NC chunks (zero padding leaves outputs and final states exact).
+    """
+
+    padding: SequencePadding
+    batch_size: int
+    seq_len: int
+    num_v_heads: int
+    chunk_size: int
+    dtype: torch.dtype
+
+    @property
+    def num_seqs(self) -> int:
+        return self.padding.num_seqs
+
+    @property
+    def num_chunks(self) -> int:
+        return self.padding.num_chunks
+
+    def to_chunks(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+        """``x [B, T, Hx, *D]`` (``Hx`` divides HV) -> a new tensor ``[NC, N * HV, C, *D]`` in
+        the compute dtype; q/k heads are repeated over their group of value heads."""
+        n, nc, c, hv = self.num_seqs, self.num_chunks, self.chunk_size, self.num_v_heads
+        rest = tuple(x.shape[3:])
+        heads = x.shape[2]
+        group = hv // heads
+        out = torch.empty((nc, n, heads, group, c) + rest, dtype=self.dtype, device=x.device)
+        if out.numel() == 0:
+            return out.view((nc, n * hv, c) + rest)
+        view = out.view((nc, n, heads, group, c) + rest)
+        tokens = self._token_view(x)  # [N, NC, C, H, *D] (padded where needed)
+        src = tokens.movedim(1, 0).movedim(2, 3).unsqueeze(3)  # [NC, N, H, 1, C, *D]
+        view.copy_(src.expand_as(view))
+        return out.view((nc, n * hv, c) + rest)
+
+    def _token_view(self, x: Tensor) -> Tensor:
+        """``x [B, T, ...]`` as ``[N, NC, C, ...]``, zero padded (a view when no padding is needed)."""
+        n, nc, c = self.num_seqs, self.num_chunks, self.chunk_size
+        rest = tuple(x.shape[2:])
+        if self.padding.cu_seqlens is None and nc * c == self.seq_len:
+            return x.reshape((n, nc, c) + rest)
+        return self.padding.pad(x).reshape((n, nc, c) + rest)
+
+    def from_chunks(self, x: Tensor, num_heads: Optional[int] = None) -> Tensor:
+        """``x [NC, N * HV, C, *D]`` -> ``[B, T, HV, *D]``; with ``num_heads`` H < HV, the
+        values of each group of value heads are summed onto its q/k head (``[B, T, H, *D]``)."""
+        n, nc, c, hv = self.num_seqs, self.num_chunks, self.chunk_size, self.num_v_heads
+        rest = tuple(x.shape[3:])
+        heads = hv if num_heads is None else num_heads
+        x = x.view((nc, n, heads, hv // heads, c) + rest)
+        x = x.sum(3) if hv != heads else x.squeeze(3)
+        tokens = x.permute((1, 0, 3, 2) + tuple(range(4, x.dim()))).reshape((n, nc * c, heads) + rest)
+        return self.padding.unpad(tokens)
+
+
+def make_layout(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> ChunkLayout:
+    batch_size, seq_len, num_v_heads = v.shape[:3]
+    padding = SequencePadding(batch_size, seq_len, cu_seqlens, chunk_size, v.device)
+    return ChunkLayout(padding, batch_size, seq_len, num_v_heads, chunk_size, compute_dtype_for(v.dtype))
+
+
+@dataclass
+class ChunkInputs:
+    """Inputs of a call in the chunk-major layout and the compute dtype."""
+
+    q: Tensor  # [NC, NH, C, K], l2-normalised (if asked) and scaled
+    k: Tensor  # [NC, NH, C, K], l2-normalised (if asked)
+    v: Tensor  # [NC, NH, C, V]
+    g: Tensor  # [NC, NH, C]
+    beta: Tensor  # [NC, NH, C]
+    h0: Tensor  # [NH, K, V]
+
+
+def prepare_inputs(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool) -> ChunkInputs:
+    dtype = layout.dtype
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q.to(dtype)), l2norm(k.to(dtype))
+    qc, kc, vc = layout.to_chunks(q), layout.to_chunks(k), layout.to_chunks(v)
+    qc.mul_(scale)
+    gc, bc = layout.to_chunks(g), layout.to_chunks(beta)
+    nh, head_k_dim, head_v_dim = layout.num_seqs * layout.num_v_heads, q.shape[-1], v.shape[-1]
+    if initial_state is None:
+        h0 = torch.zeros(nh, head_k_dim, head_v_dim, dtype=dtype, device=v.device)
+    else:
+        h0 = initial_state.to(dtype).reshape(nh, head_k_dim, head_v_dim)
+    return ChunkInputs(qc, kc, vc, gc, bc, h0)
+
+
+# --------------------------------------------------------------------------------------
+# The parallel part and the state recurrence
+# --------------------------------------------------------------------------------------
+
+def batched(x: Tensor) -> Tensor:
+    """``[NC, NH, a, b]`` -> ``[NC * NH, a, b]`` (a view) for one bmm over all chunks."""
+    return x.view((-1,) + tuple(x.shape[2:]))
+
+
+def pairwise_decay(gamma: Tensor) -> Tensor:
+    """``Gamma [.., C, C]``: ``exp(gamma_r - gamma_s)`` on and below the diagonal, 0 above
+    (masked before the exp, so that large positive differences cannot overflow)."""
+    c = gamma.shape[-1]
+    upper = torch.ones(c, c, dtype=torch.bool, device=gamma.device).triu(1)
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    return diff.masked_fill_(upper, float("-inf")).exp_()
+
+
+def ut_transform(k: Tensor, beta: Tensor, decay: Tensor) -> tuple[Tensor, Tensor]:
+    """``G = strictly_lower(K K^T * Gamma)`` and ``T = (I + diag(beta) G)^-1``, both ``[.., C, C]``."""
+    gram = torch.bmm(batched(k), batched(k).mT).view(decay.shape)
+    gram.mul_(decay).tril_(-1)
+    inverse = unit_lower_inverse(gram * beta[..., :, None])
+    return gram, inverse
+
+
+def state_scan(u: Tensor, w: Tensor, k_decayed: Tensor, chunk_decay: Tensor,
+               h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The recurrence across chunks: for c = 0 .. NC-1 with ``S_0 = h0``::
+
+        V'_c     = U_c - W_c S_c
+        S_{c+1}  = chunk_decay_c S_c + K_decayed_c^T V'_c
+
+    Args: u ``[NC, NH, C, V]``, w and k_decayed ``[NC, NH, C, K]``, chunk_decay
+    ``[NC, NH, 1, 1]``, h0 ``[NH, K, V]``. Returns ``states [NC + 1, NH, K, V]`` (``S_c``;
+    the last is the final state) and ``v_new [NC, NH, C, V]``.
+    """
+    num_chunks = u.shape[0]
+    states = torch.empty((num_chunks + 1,) + tuple(h0.shape), dtype=h0.dtype, device=h0.device)
+    states[0].copy_(h0)
+    v_new = torch.empty_like(u)
+    for c in range(num_chunks):
+        torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=v_new[c])
+        torch.mul(states[c], chunk_decay[c], out=states[c + 1])
+        states[c + 1].baddbmm_(k_decayed[c].mT, v_new[c])
+    return states, v_new
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                  initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor],
+                  chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The chunked forward without autograd: ``(o [B, T, HV, V] in v's dtype, final state)``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    layout = make_layout(v, cu_seqlens, chunk_size)
+    x = prepare_inputs(layout, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
+    final_shape = (layout.num_seqs, layout.num_v_heads) + tuple(x.h0.shape[1:])
+    if layout.num_chunks == 0:
+        return v.new_zeros(v.shape), x.h0.clone().view(final_shape)
+
+    gamma = x.g.cumsum_(-1)  # [NC, NH, C]
+    decay = pairwise_decay(gamma)
+    _, inverse = ut_transform(x.k, x.beta, decay)
+    gamma_exp = gamma.exp()
+    x.v.mul_(x.beta[..., None])  # beta * V
+    u = torch.bmm(batched(inverse), batched(x.v)).view(x.v.shape)
+    del x.v
+    w = torch.bmm(batched(inverse), batched(x.k * (x.beta * gamma_exp)[..., None])).view(x.k.shape)
+    del inverse
+    attn = torch.bmm(batched(x.q), batched(x.k).mT).view(decay.shape).mul_(decay)
+    del decay
+    k_decayed = x.k.mul_((gamma[..., -1:] - gamma).exp_()[..., None])
+    q_decayed = x.q.mul_(gamma_exp[..., None])
+    chunk_decay = gamma_exp[..., -1:, None]  # [NC, NH, 1, 1]
+
+    states, v_new = state_scan(u, w, k_decayed, chunk_decay, x.h0)
+    del u, w, k_decayed
+    o = torch.bmm(batched(q_decayed), batched(states[:-1])).view(v_new.shape)
+    o.view(-1, *o.shape[2:]).baddbmm_(batched(attn), batched(v_new))
+    final_state = states[-1].clone().view(final_shape)
+    return layout.from_chunks(o).to(v.dtype), final_state
 
 
 def chunk_gated_delta_rule_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
     scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
+    initial_state: Optional[Tensor] = None,
     output_final_state: bool = True,
     use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Gated delta rule by the chunked algorithm (differentiable by autograd).
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Gated delta rule by the chunked algorithm.
+
+    Differentiable: under autograd (grad mode on and an input requiring grad) the call goes
+    through ``torch.ops.gdr.chunked_gated_delta_rule``, whose backward is the hand-written
+    one of :mod:`torch_gdr.ref.chunk_backward`.
 
     Args:
         q, k: ``[B, T, H, K]``.
@@ -52,57 +235,19 @@ def chunk_gated_delta_rule_fwd(
         scale: multiplies q (after the l2norm); ``K ** -0.5`` when None.
         initial_state: key-first ``[N, HV, K, V]``, any float dtype; zeros when None.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1), or None.
-        chunk_size: C, the number of tokens per chunk.
+        chunk_size: C, the number of tokens per chunk (a power of two).
 
     Returns:
         ``o [B, T, HV, V]`` in the dtype of v, and the final state ``[N, HV, K, V]`` in
         float32 (float64 for float64 inputs), or None when ``output_final_state`` is False.
     """
-    out_dtype, dtype = v.dtype, compute_dtype_for(v.dtype)
-    batch_size, seq_len, num_v_heads, head_v_dim = v.shape
-    head_k_dim = q.shape[-1]
-    scale = head_k_dim ** -0.5 if scale is None else scale
-    device = v.device
+    tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from torch_gdr.ops.registration import chunked_gated_delta_rule
 
-    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q = repeat_kv_heads(q * scale, num_v_heads)
-    k = repeat_kv_heads(k, num_v_heads)
-
-    padding = SequencePadding(batch_size, seq_len, cu_seqlens, chunk_size, device)
-    to_chunks = "n (c l) h d -> n h c l d"
-    q, k, v = (rearrange(padding.pad(t), to_chunks, l=chunk_size) for t in (q, k, v))
-    g, beta = (rearrange(padding.pad(t), "n (c l) h -> n h c l", l=chunk_size) for t in (g, beta))
-    num_seqs, num_chunks = padding.num_seqs, padding.num_chunks
-
-    # Parallel over every chunk: decays, the UT transform, and the intra-chunk attention.
-    lower, strictly_lower = _causal_masks(chunk_size, device)
-    gamma = g.cumsum(-1)  # [N, HV, NC, C]
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    a = ((k * beta[..., None]) @ k.transpose(-1, -2) * decay).masked_fill(~strictly_lower, 0)
-    eye = torch.eye(chunk_size, dtype=dtype, device=device)
-    rhs = torch.cat([v * beta[..., None], k * (beta * gamma.exp())[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
-    u, w = solved.split([head_v_dim, head_k_dim], dim=-1)  # [N, HV, NC, C, V], [.., K]
-    attn = q @ k.transpose(-1, -2) * decay  # [N, HV, NC, C, C], zero above the diagonal
-    q_decayed = q * gamma.exp()[..., None]
-    k_decayed = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [N, HV, NC, 1, 1]
-
-    # Sequential over chunks: the state recurrence.
-    if initial_state is None:
-        state = torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
+        o, final_state = chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, True,
+                                                  use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, False)
     else:
-        state = initial_state.to(dtype)
-    outputs = []
-    for c in range(num_chunks):
-        v_new = u[:, :, c] - w[:, :, c] @ state
-        outputs.append(q_decayed[:, :, c] @ state + attn[:, :, c] @ v_new)
-        state = chunk_decay[:, :, c] * state + k_decayed[:, :, c].transpose(-1, -2) @ v_new
-    if outputs:
-        o = rearrange(torch.stack(outputs, dim=2), "n h c l d -> n (c l) h d")
-    else:
-        o = v.new_zeros(num_seqs, 0, num_v_heads, head_v_dim)
-    o = padding.unpad(o).to(out_dtype)
-    return o, (state if output_final_state else None)
+        o, final_state = _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                                       cu_seqlens, chunk_size)
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,261 @@
+"""The hand-written chunked backward against autograd through the per-token recurrence.
+
+Loss: ``(o * do).sum() + (final_state * dht).sum()`` with random ``do``, ``dht``. The
+reference always runs in float64 through the recurrence; fp64 calls must match it to 1e-8
+(max abs), fp32 calls to an rmse ratio ``rmse(ref - out) / rms(ref)`` below 1e-4, fp16 and
+bf16 calls (float32 accumulation) to the anchors' tolerances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_gdr
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    seq_len: int = 40
+    heads: int = 2
+    v_heads: int = 2
+    k_dim: int = 8
+    v_dim: int = 8
+    chunk: int = 16
+    initial_state: bool = True
+    l2norm: bool = False
+    scale: Optional[float] = None
+    state_v_first: bool = False
+    cu_seqlens: Optional[tuple[int, ...]] = None
+    gate: str = "logsigmoid"  # "logsigmoid" | "strong" (g ~ -30) | "zero"
+    final_grad: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        return self.batch if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+
+def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    b, t = case.batch, case.seq_len
+    q = randn(b, t, case.heads, case.k_dim)
+    k = randn(b, t, case.heads, case.k_dim)
+    if not case.l2norm:  # the kernel-side norm is off: feed normalised keys, as models do
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = randn(b, t, case.v_heads, case.v_dim)
+    g = {"logsigmoid": F.logsigmoid(randn(b, t, case.v_heads)),
+         "strong": -30 + 0.1 * randn(b, t, case.v_heads),
+         "zero": torch.zeros(b, t, case.v_heads, dtype=torch.float64)}[case.gate]
+    beta = torch.sigmoid(randn(b, t, case.v_heads))
+    state = (case.num_seqs, case.v_heads) + ((case.v_dim, case.k_dim) if case.state_v_first
+                                             else (case.k_dim, case.v_dim))
+    h0 = randn(*state) if case.initial_state else None
+    do = randn(b, t, case.v_heads, case.v_dim)
+    dht = randn(*state) if case.final_grad else None
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+    tensors = {n: (x.to(dtype) if x is not None and n not in ("g", "beta", "initial_state") else x)
+               for n, x in tensors.items()}
+    if dtype != torch.float64:
+        tensors["g"], tensors["beta"] = tensors["g"].float(), tensors["beta"].float()
+        if h0 is not None:
+            tensors["initial_state"] = h0.float()
+    return dict(tensors=tensors, do=do, dht=dht)
+
+
+def _loss_grads(fn, case: Case, tensors: dict, do: torch.Tensor, dht: Optional[torch.Tensor]) -> dict:
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items() if x is not None}
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens)
+    o, final = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], case.scale,
+                  leaves.get("initial_state"), dht is not None, cu, case)
+    loss = (o.double() * do).sum()
+    if dht is not None:
+        loss = loss + (final.double() * dht).sum()
+    loss.backward()
+    return {n: x.grad for n, x in leaves.items()}
+
+
+def _public(backend: str):
+    def call(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
+        return torch_gdr.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=cu, chunk_size=case.chunk,
+            state_v_first=case.state_v_first, backend=backend)
+    return call
+
+
+def reference_grads(case: Case, data: dict) -> dict:
+    tensors = {n: (x.double() if x is not None else None) for n, x in data["tensors"].items()}
+    return _loss_grads(_public("recurrent"), case, tensors, data["do"], data["dht"])
+
+
+def rmse_ratio(ref: torch.Tensor, out: torch.Tensor, floor: float = 1e-6) -> float:
+    """``rmse(ref - out) / rms(ref)``, the rms floored at ``floor``: with O(1) inputs a
+    gradient of rms below 1e-6 is zero up to rounding (e.g. dg under g = -30, ~1e-14), and
+    a relative error of it would only measure noise."""
+    ref, out = ref.double(), out.double()
+    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+CASES = {
+    "T<C": Case(seq_len=11),
+    "T=C": Case(seq_len=16),
+    "T%C!=0": Case(seq_len=45),
+    "T=1": Case(seq_len=1),
+    "B>1": Case(batch=3, seq_len=21),
+    "gva2": Case(heads=2, v_heads=4),
+    "gva4,K!=V": Case(heads=1, v_heads=4, k_dim=8, v_dim=12),
+    "no_h0": Case(initial_state=False),
+    "no_final_grad": Case(final_grad=False),
+    "l2norm": Case(l2norm=True),
+    "scale": Case(scale=0.37),
+    "state_v_first,K!=V": Case(state_v_first=True, k_dim=12, v_dim=8),
+    "varlen": Case(seq_len=46, cu_seqlens=(0, 0, 1, 17, 17, 46)),
+    "varlen,gva,l2": Case(seq_len=33, heads=1, v_heads=2, l2norm=True, cu_seqlens=(0, 1, 33, 33)),
+    "strong_decay": Case(gate="strong"),
+    "g=0": Case(gate="zero"),
+    "chunk64": Case(seq_len=70, chunk=64, k_dim=16, v_dim=16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grads_match_recurrence(name: str, dtype: torch.dtype) -> None:
+    case = CASES[name]
+    data = make_inputs(case, dtype)
+    ref = reference_grads(case, data)
+    out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
+    assert set(out) == set(ref)
+    for n in ref:
+        assert out[n].dtype == data["tensors"][n].dtype and out[n].shape == ref[n].shape, n
+        assert torch.isfinite(out[n]).all(), n
+        if dtype == torch.float64:
+            err = (out[n] - ref[n]).abs().max().item()
+            assert err < 1e-8, f"{n}: max abs {err:.3g}"
+        else:
+            assert rmse_ratio(ref[n], out[n]) < 1e-4, f"{n}: rmse ratio {rmse_ratio(ref[n], out[n]):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_accumulate_in_fp32(dtype: torch.dtype) -> None:
+    case = Case(seq_len=45, l2norm=True, k_dim=16, v_dim=16)
+    data = make_inputs(case, dtype)
+    # The reference sees the same (rounded) inputs in float64.
+    ref = reference_grads(case, data)
+    out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
+    bound = {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    for n in ref:
+        assert out[n].dtype == data["tensors"][n].dtype, n
+        assert rmse_ratio(ref[n], out[n].float()) < bound, f"{n}: {rmse_ratio(ref[n], out[n].float()):.3g}"
+
+
+def test_token_major_layout() -> None:
+    case = Case(seq_len=30, cu_seqlens=(0, 12, 30), state_v_first=True)
+    data = make_inputs(case, torch.float64)
+    ref = reference_grads(case, data)
+    tensors = {n: (x.squeeze(0) if n != "initial_state" else x) for n, x in data["tensors"].items()}
+    out = _loss_grads(_public("torch"), case, tensors, data["do"].squeeze(0), data["dht"])
+    for n in ref:
+        assert (out[n] - ref[n].reshape(out[n].shape)).abs().max().item() < 1e-8, n
+
+
+def test_backward_function_directly() -> None:
+    """The reference-level pair: the hand-written backward of chunk_gated_delta_rule_fwd."""
+    case = Case(seq_len=37, heads=1, v_heads=2, l2norm=True)
+    data = make_inputs(case, torch.float64)
+    t = data["tensors"]
+    ref = reference_grads(case, data)
+    grads = chunk_gated_delta_rule_bwd(data["do"], data["dht"], t["q"], t["k"], t["v"], t["g"], t["beta"], None,
+                                       t["initial_state"], True, None, case.chunk)
+    for n, d in zip(NAMES, grads):
+        assert (d - ref[n]).abs().max().item() < 1e-8, n
+
+
+def test_chunked_forward_is_differentiable() -> None:
+    case = Case(seq_len=20)
+    data = make_inputs(case, torch.float64)
+
+    def call(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, h0, output_final_state, case.l2norm, cu,
+                                          case.chunk)
+
+    ref = reference_grads(case, data)
+    out = _loss_grads(call, case, data["tensors"], data["do"], data["dht"])
+    for n in ref:
+        assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
+
+
+@pytest.mark.parametrize("case", [Case(seq_len=9, k_dim=4, v_dim=3, chunk=16),
+                                  Case(seq_len=7, heads=1, v_heads=2, k_dim=4, v_dim=4, l2norm=True,
+                                       cu_seqlens=(0, 0, 3, 7), state_v_first=True)], ids=["plain", "varlen"])
+def test_gradcheck_fp64(case: Case) -> None:
+    data = make_inputs(case, torch.float64, seed=1)
+    t = data["tensors"]
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens)
+
+    def fn(q, k, v, g, beta, h0):
+        o, final = torch_gdr.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=case.l2norm,
+            cu_seqlens=cu, chunk_size=case.chunk, state_v_first=case.state_v_first, backend="torch")
+        return o, final
+
+    inputs = tuple(t[n].detach().clone().requires_grad_() for n in NAMES)
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [Case(seq_len=20), Case(seq_len=19, heads=1, v_heads=2, l2norm=True,
+                                                         cu_seqlens=(0, 0, 5, 19), state_v_first=True)],
+                         ids=["plain", "varlen"])
+def test_opcheck(case: Case) -> None:
+    data = make_inputs(case, torch.float32)
+    t = data["tensors"]
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    args = tuple(t[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta"))
+    h0 = t["initial_state"].detach().clone().requires_grad_()
+    torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule.default,
+                          args + (case.scale, h0, True, case.l2norm, cu, case.chunk, case.state_v_first))
+    grad_o = torch.randn_like(t["v"])
+    dht = torch.randn_like(t["initial_state"])
+    torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule_backward.default,
+                          (grad_o, dht) + tuple(a.detach() for a in args)
+                          + (case.scale, h0.detach(), case.l2norm, cu, case.chunk, case.state_v_first))
+
+
+def test_zero_length_everywhere() -> None:
+    """All sequences empty: no tokens, the initial state passes through, its gradient is dht."""
+    case = Case(seq_len=0, cu_seqlens=(0, 0, 0))
+    data = make_inputs(case, torch.float64)
+    out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
+    assert torch.equal(out["initial_state"], data["dht"])
+    assert out["q"].shape == (1, 0, 2, 8)
+
+
+def test_final_state_fed_back_equals_one_call_grads() -> None:
+    """Split a sequence in two calls, chaining the state: same gradients as one call."""
+    case = Case(seq_len=40)
+    data = make_inputs(case, torch.float64)
+    t = data["tensors"]
+    one = _loss_grads(_public("torch"), case, t, data["do"], data["dht"])
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in t.items()}
+    kw = dict(output_final_state=True, chunk_size=case.chunk, backend="torch")
+    cut = 23
+    parts = [tuple(leaves[n][:, s] for n in ("q", "k", "v", "g", "beta")) for s in (slice(0, cut), slice(cut, None))]
+    o1, s1 = torch_gdr.chunk_gated_delta_rule(*parts[0], initial_state=leaves["initial_state"], **kw)
+    o2, s2 = torch_gdr.chunk_gated_delta_rule(*parts[1], initial_state=s1, **kw)
+    loss = (torch.cat([o1, o2], 1) * data["do"]).sum() + (s2 * data["dht"]).sum()
+    loss.backward()
+    for n in one:
+        assert (leaves[n].grad - one[n]).abs().max().item() < 1e-10, n

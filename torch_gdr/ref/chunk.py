@@ -10,11 +10,14 @@ Each sequence is cut into chunks of ``C`` tokens. With ``gamma`` the cumulative 
     O  = (exp(gamma) * Q) S + (Q K^T * Gamma) V'
     S <- exp(gamma_C) S + (exp(gamma_C - gamma) * K)^T V'
 
-Layout: every per-token tensor is kept chunk-major, ``[NC, N * HV, C, D]`` (NC chunks,
-N sequences, HV value heads). The parallel parts (decays, the UT transform, the intra-chunk
-attention, the output) are single batched matmuls over all ``NC * N * HV`` chunks; the
-state recurrence loops over the chunk index only, and each step works on the contiguous
-slice ``[c]`` of preallocated buffers (``out=``, no per-chunk copies or zero fills).
+The call is processed a *segment* of ``G`` chunks at a time (all sequences and heads of
+those chunks at once, chunk-major ``[G, N * HV, C, D]``, see
+:mod:`torch_gdr.ref.chunk_layout`): temporaries stay O(segment) whatever T is, and every
+parallel step is one batched matmul over the ``G * N * HV`` chunk matrices of the
+segment. Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that
+``Q K^T`` and ``K K^T`` are one matmul, ``U | W`` are one matmul against ``T``, and
+``(I + A)^-1`` is a blocked inverse (:mod:`torch_gdr.ref.triangular`). Only the state
+recurrence loops over chunks, writing into preallocated buffers (no per-chunk copies).
 """
 
 from __future__ import annotations
@@ -24,116 +27,25 @@ from typing import Optional
 
 import torch
 
+from torch_gdr.ref.chunk_layout import ChunkLayout
 from torch_gdr.ref.triangular import unit_lower_inverse
-from torch_gdr.ref.utils import SequencePadding, compute_dtype_for, l2norm
+from torch_gdr.ref.utils import L2NORM_EPS
 
 Tensor = torch.Tensor
 
 
-# --------------------------------------------------------------------------------------
-# Layout: [B, T, H, ...] tokens <-> chunk-major [NC, N * HV, C, ...]
-# --------------------------------------------------------------------------------------
-
-@dataclass
-class ChunkLayout:
-    """How tokens of a call map onto chunk-major tensors ``[NC, N * HV, C, ...]``.
-
-    Value head ``h`` reads q/k head ``h // group``; every sequence starts a fresh chunk and
-    is zero-padded to NC chunks (zero padding leaves outputs and final states exact).
-    """
-
-    padding: SequencePadding
-    batch_size: int
-    seq_len: int
-    num_v_heads: int
-    chunk_size: int
-    dtype: torch.dtype
-
-    @property
-    def num_seqs(self) -> int:
-        return self.padding.num_seqs
-
-    @property
-    def num_chunks(self) -> int:
-        return self.padding.num_chunks
-
-    def to_chunks(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:
-        """``x [B, T, Hx, *D]`` (``Hx`` divides HV) -> a new tensor ``[NC, N * HV, C, *D]`` in
-        the compute dtype; q/k heads are repeated over their group of value heads."""
-        n, nc, c, hv = self.num_seqs, self.num_chunks, self.chunk_size, self.num_v_heads
-        rest = tuple(x.shape[3:])
-        heads = x.shape[2]
-        group = hv // heads
-        out = torch.empty((nc, n, heads, group, c) + rest, dtype=self.dtype, device=x.device)
-        if out.numel() == 0:
-            return out.view((nc, n * hv, c) + rest)
-        view = out.view((nc, n, heads, group, c) + rest)
-        tokens = self._token_view(x)  # [N, NC, C, H, *D] (padded where needed)
-        src = tokens.movedim(1, 0).movedim(2, 3).unsqueeze(3)  # [NC, N, H, 1, C, *D]
-        view.copy_(src.expand_as(view))
-        return out.view((nc, n * hv, c) + rest)
-
-    def _token_view(self, x: Tensor) -> Tensor:
-        """``x [B, T, ...]`` as ``[N, NC, C, ...]``, zero padded (a view when no padding is needed)."""
-        n, nc, c = self.num_seqs, self.num_chunks, self.chunk_size
-        rest = tuple(x.shape[2:])
-        if self.padding.cu_seqlens is None and nc * c == self.seq_len:
-            return x.reshape((n, nc, c) + rest)
-        return self.padding.pad(x).reshape((n, nc, c) + rest)
-
-    def from_chunks(self, x: Tensor, num_heads: Optional[int] = None) -> Tensor:
-        """``x [NC, N * HV, C, *D]`` -> ``[B, T, HV, *D]``; with ``num_heads`` H < HV, the
-        values of each group of value heads are summed onto its q/k head (``[B, T, H, *D]``)."""
-        n, nc, c, hv = self.num_seqs, self.num_chunks, self.chunk_size, self.num_v_heads
-        rest = tuple(x.shape[3:])
-        heads = hv if num_heads is None else num_heads
-        x = x.view((nc, n, heads, hv // heads, c) + rest)
-        x = x.sum(3) if hv != heads else x.squeeze(3)
-        tokens = x.permute((1, 0, 3, 2) + tuple(range(4, x.dim()))).reshape((n, nc * c, heads) + rest)
-        return self.padding.unpad(tokens)
-
-
-def make_layout(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> ChunkLayout:
-    batch_size, seq_len, num_v_heads = v.shape[:3]
-    padding = SequencePadding(batch_size, seq_len, cu_seqlens, chunk_size, v.device)
-    return ChunkLayout(padding, batch_size, seq_len, num_v_heads, chunk_size, compute_dtype_for(v.dtype))
-
-
-@dataclass
-class ChunkInputs:
-    """Inputs of a call in the chunk-major layout and the compute dtype."""
-
-    q: Tensor  # [NC, NH, C, K], l2-normalised (if asked) and scaled
-    k: Tensor  # [NC, NH, C, K], l2-normalised (if asked)
-    v: Tensor  # [NC, NH, C, V]
-    g: Tensor  # [NC, NH, C]
-    beta: Tensor  # [NC, NH, C]
-    h0: Tensor  # [NH, K, V]
-
-
-def prepare_inputs(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                   initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool) -> ChunkInputs:
-    dtype = layout.dtype
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q.to(dtype)), l2norm(k.to(dtype))
-    qc, kc, vc = layout.to_chunks(q), layout.to_chunks(k), layout.to_chunks(v)
-    qc.mul_(scale)
-    gc, bc = layout.to_chunks(g), layout.to_chunks(beta)
-    nh, head_k_dim, head_v_dim = layout.num_seqs * layout.num_v_heads, q.shape[-1], v.shape[-1]
-    if initial_state is None:
-        h0 = torch.zeros(nh, head_k_dim, head_v_dim, dtype=dtype, device=v.device)
-    else:
-        h0 = initial_state.to(dtype).reshape(nh, head_k_dim, head_v_dim)
-    return ChunkInputs(qc, kc, vc, gc, bc, h0)
-
-
-# --------------------------------------------------------------------------------------
-# The parallel part and the state recurrence
-# --------------------------------------------------------------------------------------
-
 def batched(x: Tensor) -> Tensor:
-    """``[NC, NH, a, b]`` -> ``[NC * NH, a, b]`` (a view) for one bmm over all chunks."""
-    return x.view((-1,) + tuple(x.shape[2:]))
+    """``[G, NH, a, b]`` -> ``[G * NH, a, b]`` for one bmm over all chunk matrices."""
+    return x.flatten(0, 1)
+
+
+def bmm(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``a @ b`` for chunk-major ``[G, NH, m, k] @ [G, NH, k, n]`` as one bmm."""
+    shape = a.shape[:2] + (a.shape[2], b.shape[3])
+    if out is None:
+        return torch.bmm(batched(a), batched(b)).view(shape)
+    torch.bmm(batched(a), batched(b), out=batched(out))
+    return out
 
 
 def pairwise_decay(gamma: Tensor) -> Tensor:
@@ -145,34 +57,118 @@ def pairwise_decay(gamma: Tensor) -> Tensor:
     return diff.masked_fill_(upper, float("-inf")).exp_()
 
 
-def ut_transform(k: Tensor, beta: Tensor, decay: Tensor) -> tuple[Tensor, Tensor]:
-    """``G = strictly_lower(K K^T * Gamma)`` and ``T = (I + diag(beta) G)^-1``, both ``[.., C, C]``."""
-    gram = torch.bmm(batched(k), batched(k).mT).view(decay.shape)
-    gram.mul_(decay).tril_(-1)
-    inverse = unit_lower_inverse(gram * beta[..., :, None])
-    return gram, inverse
+@dataclass
+class Segment:
+    """The parallel part of chunks ``[c0, c1)``: everything but the state recurrence.
 
-
-def state_scan(u: Tensor, w: Tensor, k_decayed: Tensor, chunk_decay: Tensor,
-               h0: Tensor) -> tuple[Tensor, Tensor]:
-    """The recurrence across chunks: for c = 0 .. NC-1 with ``S_0 = h0``::
-
-        V'_c     = U_c - W_c S_c
-        S_{c+1}  = chunk_decay_c S_c + K_decayed_c^T V'_c
-
-    Args: u ``[NC, NH, C, V]``, w and k_decayed ``[NC, NH, C, K]``, chunk_decay
-    ``[NC, NH, 1, 1]``, h0 ``[NH, K, V]``. Returns ``states [NC + 1, NH, K, V]`` (``S_c``;
-    the last is the final state) and ``v_new [NC, NH, C, V]``.
+    Shapes are chunk-major ``[G, NH, ...]``; ``C`` tokens per chunk.
     """
-    num_chunks = u.shape[0]
-    states = torch.empty((num_chunks + 1,) + tuple(h0.shape), dtype=h0.dtype, device=h0.device)
-    states[0].copy_(h0)
-    v_new = torch.empty_like(u)
-    for c in range(num_chunks):
-        torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=v_new[c])
+
+    qk: Tensor  # [G, NH, 2C, K]: rows :C the query y_q, rows C: the key (both l2-normalised if asked)
+    rnorm: Optional[Tensor]  # [G, NH, 2C, 1]: 1 / |x| of the l2norm, or None
+    v: Tensor  # [G, NH, C, V]
+    beta: Tensor  # [G, NH, C]
+    gamma: Tensor  # [G, NH, C]: cumsum of g within the chunk
+    gamma_exp: Tensor  # exp(gamma)
+    decay: Tensor  # [G, NH, C, C]: Gamma
+    sim: Tensor  # [G, NH, 2C, C]: rows :C P = scale (y_q K^T) * Gamma, rows C: G = strictly_lower(K K^T * Gamma)
+    inverse: Tensor  # [G, NH, C, C]: T = (I + diag(beta) G)^-1
+    uw: Tensor  # [G, NH, C, V + K]: U | W (the scan turns U into V' in place)
+    k_scale: Tensor  # [G, NH, C]: exp(gamma_C - gamma)
+    k_decayed: Tensor  # [G, NH, C, K]: exp(gamma_C - gamma) * K
+
+    @property
+    def size(self) -> int:
+        return self.qk.shape[2] // 2
+
+    @property
+    def query(self) -> Tensor:
+        return self.qk[:, :, : self.size]
+
+    @property
+    def key(self) -> Tensor:
+        return self.qk[:, :, self.size:]
+
+    @property
+    def attn(self) -> Tensor:
+        return self.sim[:, :, : self.size]
+
+    @property
+    def gram(self) -> Tensor:
+        return self.sim[:, :, self.size:]
+
+    @property
+    def u(self) -> Tensor:
+        return self.uw[..., : self.v.shape[-1]]
+
+    @property
+    def w(self) -> Tensor:
+        return self.uw[..., self.v.shape[-1]:]
+
+    @property
+    def chunk_decay(self) -> Tensor:
+        """``exp(gamma_C) [G, NH, 1, 1]``, the decay of the state over a whole chunk."""
+        return self.gamma_exp[..., -1:, None]
+
+
+def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int) -> Segment:
+    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part."""
+    num, c = c1 - c0, layout.chunk_size
+    nh, head_k_dim, head_v_dim = layout.num_matrices, q.shape[-1], v.shape[-1]
+    qk = torch.empty(num, nh, 2 * c, head_k_dim, dtype=layout.dtype, device=layout.device)
+    layout.load(q, c0, c1, out=qk[:, :, :c])
+    layout.load(k, c0, c1, out=qk[:, :, c:])
+    rnorm = None
+    if use_qk_l2norm_in_kernel:
+        rnorm = qk.pow(2).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
+        qk.mul_(rnorm)
+    gamma = layout.load(g, c0, c1).cumsum_(-1)
+    beta_c = layout.load(beta, c0, c1)
+    gamma_exp = gamma.exp()
+    decay = pairwise_decay(gamma)
+
+    sim = bmm(qk, qk[:, :, c:].mT)  # [Q; K] K^T
+    sim[:, :, :c].mul_(decay).mul_(scale)
+    gram = sim[:, :, c:].mul_(decay).tril_(-1)
+    inverse = unit_lower_inverse(gram * beta_c[..., :, None])
+
+    v_c = layout.load(v, c0, c1)
+    rhs = torch.empty(num, nh, c, head_v_dim + head_k_dim, dtype=layout.dtype, device=layout.device)
+    torch.mul(v_c, beta_c[..., None], out=rhs[..., :head_v_dim])
+    torch.mul(qk[:, :, c:], (beta_c * gamma_exp)[..., None], out=rhs[..., head_v_dim:])
+    uw = bmm(inverse, rhs)
+    del rhs
+    k_scale = (gamma[..., -1:] - gamma).exp_()
+    k_decayed = qk[:, :, c:] * k_scale[..., None]
+    return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, uw, k_scale, k_decayed)
+
+
+def state_scan(seg: Segment, states: Tensor) -> None:
+    """The recurrence across the chunks of a segment: for c = 0 .. G-1::
+
+        V'_c     = U_c - W_c S_c                   (written over U_c in ``seg.uw``)
+        S_{c+1}  = exp(gamma_C) S_c + K_decayed_c^T V'_c
+
+    ``states [G + 1, NH, K, V]`` holds ``S_0`` on entry and every ``S_c`` on return.
+    """
+    u, w, k_decayed, chunk_decay = seg.u, seg.w, seg.k_decayed, seg.chunk_decay
+    for c in range(u.shape[0]):
+        u[c].baddbmm_(w[c], states[c], alpha=-1)
         torch.mul(states[c], chunk_decay[c], out=states[c + 1])
-        states[c + 1].baddbmm_(k_decayed[c].mT, v_new[c])
-    return states, v_new
+        states[c + 1].baddbmm_(k_decayed[c].mT, u[c])
+
+
+def initial_states(layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,
+                   slots: int) -> Tensor:
+    """A buffer ``[slots, NH, K, V]`` whose first slot holds the initial state (zeros when None)."""
+    states = torch.empty(slots, layout.num_matrices, head_k_dim, head_v_dim, dtype=layout.dtype,
+                         device=layout.device)
+    if initial_state is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(initial_state.reshape(states.shape[1:]))
+    return states
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
@@ -180,33 +176,21 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                   chunk_size: int) -> tuple[Tensor, Tensor]:
     """The chunked forward without autograd: ``(o [B, T, HV, V] in v's dtype, final state)``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    layout = make_layout(v, cu_seqlens, chunk_size)
-    x = prepare_inputs(layout, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
-    final_shape = (layout.num_seqs, layout.num_v_heads) + tuple(x.h0.shape[1:])
-    if layout.num_chunks == 0:
-        return v.new_zeros(v.shape), x.h0.clone().view(final_shape)
-
-    gamma = x.g.cumsum_(-1)  # [NC, NH, C]
-    decay = pairwise_decay(gamma)
-    _, inverse = ut_transform(x.k, x.beta, decay)
-    gamma_exp = gamma.exp()
-    x.v.mul_(x.beta[..., None])  # beta * V
-    u = torch.bmm(batched(inverse), batched(x.v)).view(x.v.shape)
-    del x.v
-    w = torch.bmm(batched(inverse), batched(x.k * (x.beta * gamma_exp)[..., None])).view(x.k.shape)
-    del inverse
-    attn = torch.bmm(batched(x.q), batched(x.k).mT).view(decay.shape).mul_(decay)
-    del decay
-    k_decayed = x.k.mul_((gamma[..., -1:] - gamma).exp_()[..., None])
-    q_decayed = x.q.mul_(gamma_exp[..., None])
-    chunk_decay = gamma_exp[..., -1:, None]  # [NC, NH, 1, 1]
-
-    states, v_new = state_scan(u, w, k_decayed, chunk_decay, x.h0)
-    del u, w, k_decayed
-    o = torch.bmm(batched(q_decayed), batched(states[:-1])).view(v_new.shape)
-    o.view(-1, *o.shape[2:]).baddbmm_(batched(attn), batched(v_new))
-    final_state = states[-1].clone().view(final_shape)
-    return layout.from_chunks(o).to(v.dtype), final_state
+    layout = ChunkLayout(v, cu_seqlens, chunk_size)
+    head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
+    final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
+    states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.segment + 1)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for c0, c1 in layout.segments():
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1)
+        num = c1 - c0
+        state_scan(seg, states[: num + 1])
+        q_decayed = seg.query * (seg.gamma_exp * scale)[..., None]
+        out = bmm(q_decayed, states[:num])
+        batched(out).baddbmm_(batched(seg.attn), batched(seg.u))
+        layout.store(o, out, c0, c1)
+        states[0].copy_(states[num])
+    return o, states[0].clone().view(final_shape)
 
 
 def chunk_gated_delta_rule_fwd(
@@ -234,7 +218,8 @@ def chunk_gated_delta_rule_fwd(
         g: ``[B, T, HV]`` raw per-token log decay; beta: ``[B, T, HV]``.
         scale: multiplies q (after the l2norm); ``K ** -0.5`` when None.
         initial_state: key-first ``[N, HV, K, V]``, any float dtype; zeros when None.
-        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1), or None.
+        cu_seqlens: ``[N + 1]`` int64 offsets of packed sequences (B == 1) on the inputs'
+            device, or None.
         chunk_size: C, the number of tokens per chunk (a power of two).
 
     Returns:

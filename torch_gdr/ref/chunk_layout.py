@@ -1,0 +1,106 @@
+"""Moving tokens between the call's ``[B, T, H, ...]`` tensors and chunk-major segments.
+
+The chunked algorithm works on ``[G, N * HV, C, ...]`` tensors: ``G`` consecutive chunks
+(a *segment*) of all ``N`` sequences and ``HV`` value heads. Working a segment at a time
+keeps every temporary O(segment) instead of O(T) and keeps the batched matmuls large
+(``G * N * HV`` matrices each). Every sequence starts a fresh chunk and is zero-padded to
+``NC`` chunks (zero padding, k = v = beta = g = 0, leaves outputs and states exact).
+Query/key heads are repeated over their group of value heads on the way in; gradients of
+a group are summed onto its query/key head on the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from torch_gdr.ref.utils import SequencePadding, compute_dtype_for
+
+Tensor = torch.Tensor
+
+# Matrices per batched matmul a segment aims at: large enough for efficient bmm, small
+# enough that a segment's temporaries stay a few MiB.
+SEGMENT_MATRICES = 32
+
+
+class ChunkLayout:
+    """How the tokens of one call map onto chunk-major segments.
+
+    Args:
+        v: the values ``[B, T, HV, V]`` (shape, device and dtype are read).
+        cu_seqlens: ``[N + 1]`` int64 offsets on v's device, or None.
+        chunk_size: C.
+        segment_matrices: the number of (chunk, sequence, head) matrices a segment aims at.
+    """
+
+    def __init__(self, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
+                 segment_matrices: int = SEGMENT_MATRICES) -> None:
+        self.batch_size, self.seq_len, self.num_v_heads = v.shape[:3]
+        self.chunk_size = chunk_size
+        self.dtype = compute_dtype_for(v.dtype)
+        self.device = v.device
+        self.padding = SequencePadding(self.batch_size, self.seq_len, cu_seqlens, chunk_size, v.device)
+        self.num_seqs = self.padding.num_seqs
+        self.num_chunks = self.padding.num_chunks
+        self.num_matrices = self.num_seqs * self.num_v_heads  # NH
+        self.segment = max(1, segment_matrices // max(1, self.num_matrices))
+        self.varlen = cu_seqlens is not None
+
+    def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
+        """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
+        starts = list(range(0, self.num_chunks, self.segment))
+        for c0 in (reversed(starts) if reverse else starts):
+            yield c0, min(c0 + self.segment, self.num_chunks)
+
+    def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
+        c = self.chunk_size
+        return c0 * c, min(c1 * c, self.seq_len)
+
+    def load(self, x: Tensor, c0: int, c1: int, out: Optional[Tensor] = None) -> Tensor:
+        """Chunks ``[c0, c1)`` of ``x [B, T, Hx, *D]`` (``Hx`` divides HV) as a new (or the
+        given) tensor ``[c1 - c0, NH, C, *D]`` in the compute dtype, zeros in the padding."""
+        g, n, c, hv = c1 - c0, self.num_seqs, self.chunk_size, self.num_v_heads
+        heads, rest = x.shape[2], tuple(x.shape[3:])
+        group = hv // heads
+        if out is None:
+            out = torch.empty((g, n * hv, c) + rest, dtype=self.dtype, device=x.device)
+        dst = out.unflatten(1, (n, heads, group))
+        if self.varlen:
+            index = self.padding.token_index[:, c0 * c:c1 * c]
+            valid = self.padding.valid[:, c0 * c:c1 * c]
+            tokens = x[0][index]  # [N, G*C, Hx, *D]
+            tokens = tokens.masked_fill_(~valid.view(valid.shape + (1,) * (tokens.dim() - 2)), 0)
+        else:
+            t0, t1 = self._token_span(c0, c1)
+            tokens = x[:, t0:t1]
+            if t1 - t0 < g * c:  # the tail chunk: zero its padding
+                dst[-1].zero_()
+        length = tokens.shape[1]
+        src = tokens.unflatten(1, (-1, c)) if length == g * c else None
+        if src is not None:
+            dst.copy_(src.movedim(1, 0).movedim(2, 3).unsqueeze(3).expand(dst.shape))
+        else:  # partial tail chunk (batched, no cu_seqlens)
+            full = (length // c) * c
+            if full:
+                head = tokens[:, :full].unflatten(1, (-1, c)).movedim(1, 0).movedim(2, 3).unsqueeze(3)
+                dst[: full // c].copy_(head.expand(dst[: full // c].shape))
+            tail = tokens[:, full:].movedim(1, 2).unsqueeze(2)  # [N, Hx, 1, L, *D]
+            dst[-1, :, :, :, : length - full].copy_(tail.expand(dst[-1, :, :, :, : length - full].shape))
+        return out
+
+    def store(self, dst: Tensor, src: Tensor, c0: int, c1: int) -> None:
+        """Write ``src [c1 - c0, NH, C, *D]`` into chunks ``[c0, c1)`` of ``dst [B, T, Hx, *D]``;
+        with ``Hx < HV`` the value heads of a group are summed onto their q/k head."""
+        g, n, c, hv = c1 - c0, self.num_seqs, self.chunk_size, self.num_v_heads
+        heads, rest = dst.shape[2], tuple(src.shape[3:])
+        src = src.unflatten(1, (n, heads, hv // heads))
+        src = src.sum(3) if hv != heads else src.squeeze(3)
+        tokens = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim()))).reshape((n, g * c, heads) + rest)
+        if self.varlen:
+            index = self.padding.token_index[:, c0 * c:c1 * c]
+            valid = self.padding.valid[:, c0 * c:c1 * c]
+            dst[0].index_copy_(0, index[valid], tokens[valid].to(dst.dtype))
+        else:
+            t0, t1 = self._token_span(c0, c1)
+            dst[:, t0:t1].copy_(tokens[:, : t1 - t0])

@@ -73,7 +73,8 @@ class Segment:
     decay: Tensor  # [G, NH, C, C]: Gamma
     sim: Tensor  # [G, NH, 2C, C]: rows :C P = scale (y_q K^T) * Gamma, rows C: G = strictly_lower(K K^T * Gamma)
     inverse: Tensor  # [G, NH, C, C]: T = (I + diag(beta) G)^-1
-    uw: Tensor  # [G, NH, C, V + K]: U | W (the scan turns U into V' in place)
+    u: Tensor  # [G, NH, C, V]: U (the scan turns it into V' in place)
+    w: Tensor  # [G, NH, C, K]: W
     k_scale: Tensor  # [G, NH, C]: exp(gamma_C - gamma)
     k_decayed: Tensor  # [G, NH, C, K]: exp(gamma_C - gamma) * K
 
@@ -98,56 +99,53 @@ class Segment:
         return self.sim[:, :, self.size:]
 
     @property
-    def u(self) -> Tensor:
-        return self.uw[..., : self.v.shape[-1]]
-
-    @property
-    def w(self) -> Tensor:
-        return self.uw[..., self.v.shape[-1]:]
-
-    @property
     def chunk_decay(self) -> Tensor:
         """``exp(gamma_C) [G, NH, 1, 1]``, the decay of the state over a whole chunk."""
         return self.gamma_exp[..., -1:, None]
 
 
 def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int) -> Segment:
-    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part."""
+                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int, states_only: bool = False) -> Segment:
+    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part. With
+    ``states_only`` the query side (rows ``:C`` of ``qk`` and ``sim``) is left unset: enough
+    for :func:`state_scan`, not for outputs."""
     num, c = c1 - c0, layout.chunk_size
     nh, head_k_dim, head_v_dim = layout.num_matrices, q.shape[-1], v.shape[-1]
     qk = torch.empty(num, nh, 2 * c, head_k_dim, dtype=layout.dtype, device=layout.device)
-    layout.load(q, c0, c1, out=qk[:, :, :c])
+    rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
+    if not states_only:
+        layout.load(q, c0, c1, out=qk[:, :, :c])
     layout.load(k, c0, c1, out=qk[:, :, c:])
     rnorm = None
     if use_qk_l2norm_in_kernel:
-        rnorm = qk.pow(2).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
-        qk.mul_(rnorm)
+        rnorm = qk[:, :, rows].pow(2).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
+        qk[:, :, rows].mul_(rnorm)
     gamma = layout.load(g, c0, c1).cumsum_(-1)
     beta_c = layout.load(beta, c0, c1)
     gamma_exp = gamma.exp()
     decay = pairwise_decay(gamma)
 
-    sim = bmm(qk, qk[:, :, c:].mT)  # [Q; K] K^T
-    sim[:, :, :c].mul_(decay).mul_(scale)
+    sim = torch.empty(num, nh, 2 * c, c, dtype=layout.dtype, device=layout.device)
+    bmm(qk[:, :, rows], qk[:, :, c:].mT, out=sim[:, :, rows])  # [Q; K] K^T
+    if not states_only:
+        sim[:, :, :c].mul_(decay).mul_(scale)
     gram = sim[:, :, c:].mul_(decay).tril_(-1)
     inverse = unit_lower_inverse(gram * beta_c[..., :, None])
 
     v_c = layout.load(v, c0, c1)
-    rhs = torch.empty(num, nh, c, head_v_dim + head_k_dim, dtype=layout.dtype, device=layout.device)
-    torch.mul(v_c, beta_c[..., None], out=rhs[..., :head_v_dim])
-    torch.mul(qk[:, :, c:], (beta_c * gamma_exp)[..., None], out=rhs[..., head_v_dim:])
-    uw = bmm(inverse, rhs)
-    del rhs
+    # Separate contiguous U and W: the scan's in-place matmuls on a strided view would fall
+    # back to one matmul per matrix.
+    u = bmm(inverse, v_c * beta_c[..., None])
+    w = bmm(inverse, qk[:, :, c:] * (beta_c * gamma_exp)[..., None])
     k_scale = (gamma[..., -1:] - gamma).exp_()
     k_decayed = qk[:, :, c:] * k_scale[..., None]
-    return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, uw, k_scale, k_decayed)
+    return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, u, w, k_scale, k_decayed)
 
 
 def state_scan(seg: Segment, states: Tensor) -> None:
     """The recurrence across the chunks of a segment: for c = 0 .. G-1::
 
-        V'_c     = U_c - W_c S_c                   (written over U_c in ``seg.uw``)
+        V'_c     = U_c - W_c S_c                   (written over U_c in ``seg.u``)
         S_{c+1}  = exp(gamma_C) S_c + K_decayed_c^T V'_c
 
     ``states [G + 1, NH, K, V]`` holds ``S_0`` on entry and every ``S_c`` on return.

@@ -104,7 +104,7 @@ def chunk_gated_delta_rule_bwd(
     # Pass 1: the state entering every chunk (and the final one).
     states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.num_chunks + 1)
     for c0, c1 in layout.segments():
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1)
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, states_only=True)
         state_scan(seg, states[c0:c1 + 1])
         del seg
 

@@ -48,12 +48,12 @@ def bmm(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return out
 
 
-def pairwise_decay(gamma: Tensor) -> Tensor:
+def pairwise_decay(gamma: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """``Gamma [.., C, C]``: ``exp(gamma_r - gamma_s)`` on and below the diagonal, 0 above
     (masked before the exp, so that large positive differences cannot overflow)."""
     c = gamma.shape[-1]
     upper = torch.ones(c, c, dtype=torch.bool, device=gamma.device).triu(1)
-    diff = gamma[..., :, None] - gamma[..., None, :]
+    diff = torch.sub(gamma[..., :, None], gamma[..., None, :], out=out)
     return diff.masked_fill_(upper, float("-inf")).exp_()
 
 
@@ -104,41 +104,67 @@ class Segment:
         return self.gamma_exp[..., -1:, None]
 
 
+class Workspace:
+    """Named scratch buffers ``[G, NH, ...]`` reused by every segment of a call.
+
+    A fresh buffer costs a page fault per 4 KiB on first touch, which on small machines
+    (and VMs) costs as much as the arithmetic done on it; a segment takes the leading
+    ``num`` chunks of the buffer (a contiguous slice).
+    """
+
+    def __init__(self, layout: ChunkLayout) -> None:
+        self.layout = layout
+        self.capacity = min(layout.segment, max(1, layout.num_chunks))
+        self.buffers: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, num: int, *inner: int) -> Tensor:
+        buf = self.buffers.get(name)
+        shape = (self.capacity, self.layout.num_matrices) + tuple(inner)
+        if buf is None or buf.shape != shape:
+            buf = torch.empty(shape, dtype=self.layout.dtype, device=self.layout.device)
+            self.buffers[name] = buf
+        return buf[:num]
+
+
 def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int, states_only: bool = False) -> Segment:
-    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part. With
-    ``states_only`` the query side (rows ``:C`` of ``qk`` and ``sim``) is left unset: enough
-    for :func:`state_scan`, not for outputs."""
+                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int, ws: Workspace,
+                 states_only: bool = False) -> Segment:
+    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part (in buffers of
+    ``ws``, valid until the next segment). With ``states_only`` the query side (rows ``:C``
+    of ``qk`` and ``sim``) is left unset: enough for :func:`state_scan`, not for outputs."""
     num, c = c1 - c0, layout.chunk_size
-    nh, head_k_dim, head_v_dim = layout.num_matrices, q.shape[-1], v.shape[-1]
-    qk = torch.empty(num, nh, 2 * c, head_k_dim, dtype=layout.dtype, device=layout.device)
+    head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
+    qk = ws("qk", num, 2 * c, head_k_dim)
     rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
     if not states_only:
         layout.load(q, c0, c1, out=qk[:, :, :c])
-    layout.load(k, c0, c1, out=qk[:, :, c:])
+    key = layout.load(k, c0, c1, out=qk[:, :, c:])
     rnorm = None
     if use_qk_l2norm_in_kernel:
         rnorm = qk[:, :, rows].pow(2).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
         qk[:, :, rows].mul_(rnorm)
-    gamma = layout.load(g, c0, c1).cumsum_(-1)
-    beta_c = layout.load(beta, c0, c1)
-    gamma_exp = gamma.exp()
-    decay = pairwise_decay(gamma)
+    gamma = layout.load(g, c0, c1, out=ws("gamma", num, c)).cumsum_(-1)
+    beta_c = layout.load(beta, c0, c1, out=ws("beta", num, c))
+    gamma_exp = torch.exp(gamma, out=ws("gamma_exp", num, c))
+    decay = pairwise_decay(gamma, out=ws("decay", num, c, c))
 
-    sim = torch.empty(num, nh, 2 * c, c, dtype=layout.dtype, device=layout.device)
-    bmm(qk[:, :, rows], qk[:, :, c:].mT, out=sim[:, :, rows])  # [Q; K] K^T
+    sim = ws("sim", num, 2 * c, c)
+    bmm(qk[:, :, rows], key.mT, out=sim[:, :, rows])  # [Q; K] K^T
     if not states_only:
         sim[:, :, :c].mul_(decay).mul_(scale)
     gram = sim[:, :, c:].mul_(decay).tril_(-1)
-    inverse = unit_lower_inverse(gram * beta_c[..., :, None])
+    scratch = ws("scratch_cc", num, c, c)
+    inverse = unit_lower_inverse(torch.mul(gram, beta_c[..., :, None], out=scratch), out=ws("inverse", num, c, c))
 
-    v_c = layout.load(v, c0, c1)
+    v_c = layout.load(v, c0, c1, out=ws("v", num, c, head_v_dim))
     # Separate contiguous U and W: the scan's in-place matmuls on a strided view would fall
     # back to one matmul per matrix.
-    u = bmm(inverse, v_c * beta_c[..., None])
-    w = bmm(inverse, qk[:, :, c:] * (beta_c * gamma_exp)[..., None])
-    k_scale = (gamma[..., -1:] - gamma).exp_()
-    k_decayed = qk[:, :, c:] * k_scale[..., None]
+    scratch = ws("scratch_ck", num, c, max(head_k_dim, head_v_dim))
+    u = bmm(inverse, torch.mul(v_c, beta_c[..., None], out=scratch[..., :head_v_dim]), out=ws("u", num, c, head_v_dim))
+    w = bmm(inverse, torch.mul(key, (beta_c * gamma_exp)[..., None], out=scratch[..., :head_k_dim]),
+            out=ws("w", num, c, head_k_dim))
+    k_scale = torch.sub(gamma[..., -1:], gamma, out=ws("k_scale", num, c)).exp_()
+    k_decayed = torch.mul(key, k_scale[..., None], out=ws("k_decayed", num, c, head_k_dim))
     return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, u, w, k_scale, k_decayed)
 
 
@@ -179,12 +205,13 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
     states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.segment + 1)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    ws = Workspace(layout)
     for c0, c1 in layout.segments():
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1)
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
         num = c1 - c0
         state_scan(seg, states[: num + 1])
-        q_decayed = seg.query * (seg.gamma_exp * scale)[..., None]
-        out = bmm(q_decayed, states[:num])
+        q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None], out=ws("q_decayed", num, *seg.query.shape[2:]))
+        out = bmm(q_decayed, states[:num], out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u))
         layout.store(o, out, c0, c1)
         states[0].copy_(states[num])

@@ -64,7 +64,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.chunk import Segment, batched, bmm, initial_states, load_segment, state_scan
+from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, initial_states, load_segment, state_scan
 from torch_gdr.ref.chunk_layout import ChunkLayout
 
 Tensor = torch.Tensor
@@ -103,8 +103,9 @@ def chunk_gated_delta_rule_bwd(
 
     # Pass 1: the state entering every chunk (and the final one).
     states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.num_chunks + 1)
+    ws = Workspace(layout)
     for c0, c1 in layout.segments():
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, states_only=True)
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, states_only=True)
         state_scan(seg, states[c0:c1 + 1])
         del seg
 
@@ -115,16 +116,17 @@ def chunk_gated_delta_rule_bwd(
     d_states = torch.empty((layout.segment + 1,) + tuple(states.shape[1:]), dtype=layout.dtype,
                            device=layout.device)
     for c0, c1 in layout.segments(reverse=True):
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1)
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
         _segment_backward(layout, seg, grad_o, states[c0:c1], d_states[: c1 - c0 + 1], carry, scale, grads,
-                          c0, c1)
+                          c0, c1, ws)
         del seg
     d_initial = None if initial_state is None else carry.reshape(initial_state.shape).to(initial_state.dtype)
     return grads + (d_initial,)
 
 
 def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: Tensor, d_states: Tensor,
-                      carry: Tensor, scale: float, grads: tuple[Tensor, ...], c0: int, c1: int) -> None:
+                      carry: Tensor, scale: float, grads: tuple[Tensor, ...], c0: int, c1: int,
+                      ws: Workspace) -> None:
     """Backward of chunks ``[c0, c1)``: ``s_in [G, NH, K, V]`` the states entering them,
     ``d_states [G + 1, NH, K, V]`` scratch, ``carry [NH, K, V]`` the gradient w.r.t. the
     state leaving the segment on entry and entering it on return; writes the segment's
@@ -138,14 +140,14 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     batched(v_new).baddbmm_(batched(seg.w), batched(s_in), alpha=-1)
 
     # Reverse walk: dV' = P^T dO + Kd dS',  dS = exp(gamma_C) dS' + Qg^T dO - W^T dV'.
-    xo = torch.empty(num, layout.num_matrices, 2 * c, head_v_dim, dtype=layout.dtype, device=layout.device)
+    head_k_dim = key.shape[-1]
+    xo = ws("xo", num, 2 * c, head_v_dim)
     do, dvb = xo[:, :, :c], xo[:, :, c:]  # X = [dO; dVb]
     layout.load(grad_o, c0, c1, out=do)
-    dv_new = bmm(seg.attn.mT, do)
+    dv_new = bmm(seg.attn.mT, do, out=ws("dv_new", num, c, head_v_dim))
     d_states[num].copy_(carry)
-    q_decayed_t = (query * (gamma_exp * scale)[..., None]).mT
-    bmm(q_decayed_t, do, out=d_states[:num])
-    del q_decayed_t
+    q_decayed = torch.mul(query, (gamma_exp * scale)[..., None], out=ws("q_decayed", num, c, head_k_dim))
+    bmm(q_decayed.mT, do, out=d_states[:num])
     chunk_decay, k_decayed, w = seg.chunk_decay, seg.k_decayed, seg.w
     for i in range(num - 1, -1, -1):
         dv_new[i].baddbmm_(k_decayed[i], d_states[i + 1])
@@ -156,9 +158,8 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
 
     # dVb = T^T dV';  X S^T = [dO S^T; -dKb];  X V'^T = [dP; -dA]
     bmm(seg.inverse.mT, dv_new, out=dvb)
-    del dv_new
-    xs = bmm(xo, s_in.mT)
-    xv = bmm(xo, v_new.mT)
+    xs = bmm(xo, s_in.mT, out=ws("xs", num, 2 * c, head_k_dim))
+    xv = bmm(xo, v_new.mT, out=ws("xv", num, 2 * c, c))
 
     # O = Qg S + P V'  (gradients w.r.t. the scaled query q^ = scale y_q)
     dq = xs[:, :, :c].mul_(gamma_exp[..., None])
@@ -171,7 +172,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     batched(dq).baddbmm_(batched(dp), batched(key))
 
     # dK = [scale (dP Gamma)^T | dB + dB^T] [y_q; K] + ...
-    lhs = torch.empty(num, layout.num_matrices, c, 2 * c, dtype=layout.dtype, device=layout.device)
+    lhs = ws("lhs", num, c, 2 * c)
     torch.mul(dp.mT, scale, out=lhs[..., :c])
     da = xv[:, :, c:].tril_(-1).neg_()  # dA
     dbeta = (dvb * seg.v).sum(-1)
@@ -182,7 +183,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     del m2
     da.mul_(seg.decay)  # dB, the gradient of K K^T
     torch.add(da, da.mT, out=lhs[..., c:])
-    dk = bmm(lhs, seg.qk)
+    dk = bmm(lhs, seg.qk, out=ws("dk", num, c, head_k_dim))
     del lhs, xv
 
     # Kb = beta exp(gamma) K   (-dKb = dVb S^T)
@@ -194,7 +195,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     dk.addcmul_(neg_dkb, beta_exp[..., None], value=-1)
 
     # S' = exp(gamma_C) S + Kd^T V'
-    dk_decayed = bmm(v_new, ds_out.mT)
+    dk_decayed = bmm(v_new, ds_out.mT, out=ws("q_decayed", num, c, head_k_dim))  # q_decayed is dead here
     t = (dk_decayed * k_decayed).sum(-1)
     dgamma -= t
     dgamma[..., -1] += t.sum(-1) + gamma_exp[..., -1] * (ds_out * s_in).sum((-2, -1))

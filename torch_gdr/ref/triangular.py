@@ -26,15 +26,15 @@ def _diagonal_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.diagonal(grid, dim1=1, dim2=4).movedim(-1, 1)
 
 
-def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+def unit_lower_inverse(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(I + a)^-1`` for ``a [..., C, C]`` strictly lower triangular (entries on and above
-    the diagonal are ignored), ``C`` a power of two. Returns a new contiguous tensor, unit
-    lower triangular, zeros above the diagonal."""
+    the diagonal are ignored), ``C`` a power of two. Returns a contiguous tensor (``out``
+    when given, contiguous and of a's shape), unit lower triangular, zeros above the diagonal."""
     *batch, c, c2 = a.shape
     if c != c2 or c & (c - 1):
         raise ValueError(f"unit_lower_inverse: expected square blocks with a power-of-two size, got {c}x{c2}")
     a3 = a.reshape(-1, c, c)
-    inv = torch.zeros_like(a3)
+    inv = torch.zeros_like(a3) if out is None else out.view(-1, c, c).zero_()
     inv.diagonal(dim1=-2, dim2=-1).fill_(1)
     if c > 1:
         # Level 1: blocks of size 1 are 1, so T21 = -A21 for the pairs (2p+1, 2p).

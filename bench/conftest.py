@@ -8,6 +8,7 @@ also reported as a percentage of it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,17 +21,18 @@ _MEMORY: dict[tuple[str, str], float] = {}  # (shape, impl) -> peak MiB
 GEMM_SIZE = 2048
 
 
-def measure_gemm_gflops(size: int = GEMM_SIZE, repeats: int = 7) -> float:
-    """Median fp32 GEMM throughput of torch on this machine, at its current thread count."""
+def measure_gemm_gflops(size: int = GEMM_SIZE, repeats: int = 10) -> float:
+    """The fp32 GEMM ceiling of torch on this machine at its current thread count: the best
+    of ``repeats`` square matmuls (the best, not the median, so that a noisy moment cannot
+    lower the bar every percentage is measured against)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
-    times = []
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return 2 * size**3 / times[len(times) // 2] / 1e9
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,8 @@ def record(benchmark, kind: str, shape: str, impl: str, tokens: int, flops: floa
     median = benchmark.stats.stats.median
     _RESULTS[(kind, shape, impl)] = median
     info = benchmark.extra_info
-    info.update(threads=torch.get_num_threads(), tokens=tokens, median_ms=median * 1e3,
+    info.update(threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+                tokens=tokens, median_ms=median * 1e3,
                 tokens_per_s=tokens / median, gflops=flops / median / 1e9, gemm_gflops=gemm,
                 pct_of_gemm=100 * flops / median / 1e9 / gemm)
     other = {"torch_gdr": "hf_fallback", "hf_fallback": "torch_gdr"}.get(impl)

@@ -15,7 +15,7 @@ def test_gemm_baseline(benchmark, gemm_gflops):
     benchmark.pedantic(torch.matmul, args=(a, b), rounds=7, warmup_rounds=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(threads=torch.get_num_threads(), size=GEMM_SIZE,
-                                gflops=2 * GEMM_SIZE**3 / median / 1e9, session_gemm_gflops=gemm_gflops)
+                                gflops=2 * GEMM_SIZE**3 / median / 1e9, session_gemm_ceiling_gflops=gemm_gflops)
 
 
 @pytest.mark.parametrize("impl", ["hf_fallback", "torch_gdr"])  # HF first, so ours can report the ratio

@@ -22,6 +22,7 @@ recurrence loops over chunks, writing into preallocated buffers (no per-chunk co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,25 +106,34 @@ class Segment:
 
 
 class Workspace:
-    """Named scratch buffers ``[G, NH, ...]`` reused by every segment of a call.
+    """Named scratch buffers ``[num, nh, ...]`` reused by every segment of a call.
 
     A fresh buffer costs a page fault per 4 KiB on first touch, which on small machines
-    (and VMs) costs as much as the arithmetic done on it; a segment takes the leading
-    ``num`` chunks of the buffer (a contiguous slice).
+    (and VMs) costs as much as the arithmetic done on it. Each name owns one flat buffer
+    sized for a full segment; a request gets a contiguous view of its prefix, for ``num``
+    chunks of the ``nh`` active matrices set by :meth:`activate`.
     """
 
     def __init__(self, layout: ChunkLayout) -> None:
         self.layout = layout
         self.capacity = min(layout.segment, max(1, layout.num_chunks))
+        self.nh = layout.num_matrices
         self.buffers: dict[str, Tensor] = {}
 
+    def activate(self, c0: int) -> int:
+        """Size the next requests for the segment starting at chunk ``c0``; returns nh."""
+        self.nh = self.layout.active(c0) * self.layout.num_v_heads
+        return self.nh
+
     def __call__(self, name: str, num: int, *inner: int) -> Tensor:
+        shape = (num, self.nh) + tuple(inner)
+        need = math.prod(shape)
         buf = self.buffers.get(name)
-        shape = (self.capacity, self.layout.num_matrices) + tuple(inner)
-        if buf is None or buf.shape != shape:
-            buf = torch.empty(shape, dtype=self.layout.dtype, device=self.layout.device)
+        if buf is None or buf.numel() < need:
+            full = max(need, self.capacity * self.layout.num_matrices * math.prod(inner))
+            buf = torch.empty(full, dtype=self.layout.dtype, device=self.layout.device)
             self.buffers[name] = buf
-        return buf[:num]
+        return buf[:need].view(shape)
 
 
 def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -134,6 +144,7 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     of ``qk`` and ``sim``) is left unset: enough for :func:`state_scan`, not for outputs."""
     num, c = c1 - c0, layout.chunk_size
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
+    ws.activate(c0)
     qk = ws("qk", num, 2 * c, head_k_dim)
     rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
     if not states_only:
@@ -174,7 +185,8 @@ def state_scan(seg: Segment, states: Tensor) -> None:
         V'_c     = U_c - W_c S_c                   (written over U_c in ``seg.u``)
         S_{c+1}  = exp(gamma_C) S_c + K_decayed_c^T V'_c
 
-    ``states [G + 1, NH, K, V]`` holds ``S_0`` on entry and every ``S_c`` on return.
+    ``states [G + 1, nh, K, V]`` (each ``states[c]`` contiguous) holds ``S_0`` on entry and
+    every ``S_c`` on return.
     """
     u, w, k_decayed, chunk_decay = seg.u, seg.w, seg.k_decayed, seg.chunk_decay
     for c in range(u.shape[0]):
@@ -185,13 +197,14 @@ def state_scan(seg: Segment, states: Tensor) -> None:
 
 def initial_states(layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,
                    slots: int) -> Tensor:
-    """A buffer ``[slots, NH, K, V]`` whose first slot holds the initial state (zeros when None)."""
+    """A buffer ``[slots, NH, K, V]`` whose first slot holds the initial state (zeros when
+    None), sequences in the layout's order."""
     states = torch.empty(slots, layout.num_matrices, head_k_dim, head_v_dim, dtype=layout.dtype,
                          device=layout.device)
     if initial_state is None:
         states[0].zero_()
     else:
-        states[0].copy_(initial_state.reshape(states.shape[1:]))
+        states[0].copy_(layout.sort_states(initial_state).reshape(states.shape[1:]))
     return states
 
 
@@ -208,14 +221,15 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     ws = Workspace(layout)
     for c0, c1 in layout.segments():
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
-        num = c1 - c0
-        state_scan(seg, states[: num + 1])
-        q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None], out=ws("q_decayed", num, *seg.query.shape[2:]))
-        out = bmm(q_decayed, states[:num], out=ws("o", num, seg.query.shape[2], head_v_dim))
+        num, nh = c1 - c0, ws.nh
+        state_scan(seg, states[: num + 1, :nh])
+        q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
+                              out=ws("q_decayed", num, *seg.query.shape[2:]))
+        out = bmm(q_decayed, states[:num, :nh], out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u))
         layout.store(o, out, c0, c1)
-        states[0].copy_(states[num])
-    return o, states[0].clone().view(final_shape)
+        states[0, :nh].copy_(states[num, :nh])
+    return o, layout.unsort_states(states[0].view(final_shape)).clone()
 
 
 def chunk_gated_delta_rule_fwd(

@@ -106,21 +106,25 @@ def chunk_gated_delta_rule_bwd(
     ws = Workspace(layout)
     for c0, c1 in layout.segments():
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, states_only=True)
-        state_scan(seg, states[c0:c1 + 1])
+        state_scan(seg, states[c0:c1 + 1, :ws.nh])
         del seg
 
     # Pass 2: segments in reverse, carrying dS.
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta))
     carry = torch.zeros_like(states[0]) if grad_final_state is None else (
-        grad_final_state.to(layout.dtype).reshape(states.shape[1:]).clone())
-    d_states = torch.empty((layout.segment + 1,) + tuple(states.shape[1:]), dtype=layout.dtype,
-                           device=layout.device)
+        layout.sort_states(grad_final_state.to(layout.dtype)).reshape(states.shape[1:]).clone())
     for c0, c1 in layout.segments(reverse=True):
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
-        _segment_backward(layout, seg, grad_o, states[c0:c1], d_states[: c1 - c0 + 1], carry, scale, grads,
-                          c0, c1, ws)
+        nh = ws.nh
+        s_in = states[c0:c1, :nh]
+        if nh < layout.num_matrices:
+            s_in = s_in.contiguous()
+        _segment_backward(layout, seg, grad_o, s_in, ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim),
+                          carry[:nh], scale, grads, c0, c1, ws)
         del seg
-    d_initial = None if initial_state is None else carry.reshape(initial_state.shape).to(initial_state.dtype)
+    d_initial = None
+    if initial_state is not None:
+        d_initial = layout.unsort_states(carry.view(initial_state.shape)).to(initial_state.dtype)
     return grads + (d_initial,)
 
 
@@ -183,7 +187,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     del m2
     da.mul_(seg.decay)  # dB, the gradient of K K^T
     torch.add(da, da.mT, out=lhs[..., c:])
-    dk = bmm(lhs, seg.qk, out=ws("dk", num, c, head_k_dim))
+    dk = bmm(lhs, seg.qk, out=ws("scratch_ck", num, c, head_k_dim))  # the U/W scratch is dead
     del lhs, xv
 
     # Kb = beta exp(gamma) K   (-dKb = dVb S^T)

@@ -7,6 +7,12 @@ keeps every temporary O(segment) instead of O(T) and keeps the batched matmuls l
 ``NC`` chunks (zero padding, k = v = beta = g = 0, leaves outputs and states exact).
 Query/key heads are repeated over their group of value heads on the way in; gradients of
 a group are summed onto its query/key head on the way out.
+
+Varlen: the sequences are ordered by decreasing length, so that the sequences still
+running at chunk ``c`` are a prefix; a segment computes on that prefix only
+(``active(c0)`` sequences, ``active(c0) * HV`` matrices) instead of on every sequence
+padded to the longest. States are handed over in that order (``sort_states``,
+``unsort_states``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from torch_gdr.ref.utils import SequencePadding, compute_dtype_for
+from torch_gdr.ref.utils import compute_dtype_for
 
 Tensor = torch.Tensor
 
@@ -40,12 +46,40 @@ class ChunkLayout:
         self.chunk_size = chunk_size
         self.dtype = compute_dtype_for(v.dtype)
         self.device = v.device
-        self.padding = SequencePadding(self.batch_size, self.seq_len, cu_seqlens, chunk_size, v.device)
-        self.num_seqs = self.padding.num_seqs
-        self.num_chunks = self.padding.num_chunks
+        self.varlen = cu_seqlens is not None
+        if not self.varlen:
+            self.num_seqs = self.batch_size
+            self.num_chunks = -(-self.seq_len // chunk_size)
+            self.seq_chunks = [self.num_chunks] * self.num_seqs
+        else:
+            offsets = cu_seqlens.to(device=v.device, dtype=torch.int64)
+            lengths = offsets[1:] - offsets[:-1]
+            self.num_seqs = lengths.shape[0]
+            self.order = torch.argsort(lengths, descending=True, stable=True)
+            lengths, starts = lengths[self.order], offsets[:-1][self.order]
+            self.seq_chunks = ((lengths + chunk_size - 1) // chunk_size).tolist()
+            self.num_chunks = self.seq_chunks[0] if self.num_seqs else 0
+            positions = torch.arange(self.num_chunks * chunk_size, device=v.device)
+            self.valid = positions[None, :] < lengths[:, None]  # [N, NC * C], sorted order
+            self.token_index = torch.where(self.valid, starts[:, None] + positions[None, :], 0)
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         self.segment = max(1, segment_matrices // max(1, self.num_matrices))
-        self.varlen = cu_seqlens is not None
+
+    def active(self, c0: int) -> int:
+        """The number of sequences that still have tokens in chunk ``c0`` (a prefix)."""
+        return sum(1 for n in self.seq_chunks if n > c0)
+
+    def sort_states(self, x: Tensor) -> Tensor:
+        """``[N, ...]`` per-sequence tensor in the layout's order of sequences."""
+        return x[self.order] if self.varlen else x
+
+    def unsort_states(self, x: Tensor) -> Tensor:
+        """Inverse of :meth:`sort_states`."""
+        if not self.varlen:
+            return x
+        out = torch.empty_like(x)
+        out[self.order] = x
+        return out
 
     def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
@@ -58,17 +92,18 @@ class ChunkLayout:
         return c0 * c, min(c1 * c, self.seq_len)
 
     def load(self, x: Tensor, c0: int, c1: int, out: Optional[Tensor] = None) -> Tensor:
-        """Chunks ``[c0, c1)`` of ``x [B, T, Hx, *D]`` (``Hx`` divides HV) as a new (or the
-        given) tensor ``[c1 - c0, NH, C, *D]`` in the compute dtype, zeros in the padding."""
-        g, n, c, hv = c1 - c0, self.num_seqs, self.chunk_size, self.num_v_heads
+        """Chunks ``[c0, c1)`` of ``x [B, T, Hx, *D]`` (``Hx`` divides HV) of the active
+        sequences as a new (or the given) tensor ``[c1 - c0, active(c0) * HV, C, *D]`` in the
+        compute dtype, zeros in the padding."""
+        g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
         heads, rest = x.shape[2], tuple(x.shape[3:])
         group = hv // heads
         if out is None:
             out = torch.empty((g, n * hv, c) + rest, dtype=self.dtype, device=x.device)
         dst = out.unflatten(1, (n, heads, group))
         if self.varlen:
-            index = self.padding.token_index[:, c0 * c:c1 * c]
-            valid = self.padding.valid[:, c0 * c:c1 * c]
+            index = self.token_index[:n, c0 * c:c1 * c]
+            valid = self.valid[:n, c0 * c:c1 * c]
             tokens = x[0][index]  # [N, G*C, Hx, *D]
             tokens = tokens.masked_fill_(~valid.view(valid.shape + (1,) * (tokens.dim() - 2)), 0)
         else:
@@ -90,16 +125,17 @@ class ChunkLayout:
         return out
 
     def store(self, dst: Tensor, src: Tensor, c0: int, c1: int) -> None:
-        """Write ``src [c1 - c0, NH, C, *D]`` into chunks ``[c0, c1)`` of ``dst [B, T, Hx, *D]``;
-        with ``Hx < HV`` the value heads of a group are summed onto their q/k head."""
-        g, n, c, hv = c1 - c0, self.num_seqs, self.chunk_size, self.num_v_heads
+        """Write ``src [c1 - c0, active(c0) * HV, C, *D]`` into chunks ``[c0, c1)`` of
+        ``dst [B, T, Hx, *D]``; with ``Hx < HV`` the value heads of a group are summed onto
+        their q/k head."""
+        g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
         heads, rest = dst.shape[2], tuple(src.shape[3:])
         src = src.unflatten(1, (n, heads, hv // heads))
         src = src.sum(3) if hv != heads else src.squeeze(3)
         tokens = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim()))).reshape((n, g * c, heads) + rest)
         if self.varlen:
-            index = self.padding.token_index[:, c0 * c:c1 * c]
-            valid = self.padding.valid[:, c0 * c:c1 * c]
+            index = self.token_index[:n, c0 * c:c1 * c]
+            valid = self.valid[:n, c0 * c:c1 * c]
             dst[0].index_copy_(0, index[valid], tokens[valid].to(dst.dtype))
         else:
             t0, t1 = self._token_span(c0, c1)

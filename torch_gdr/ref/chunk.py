@@ -163,7 +163,8 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     bmm(qk[:, :, rows], key.mT, out=sim[:, :, rows])  # [Q; K] K^T
     if not states_only:
         sim[:, :, :c].mul_(decay).mul_(scale)
-    gram = sim[:, :, c:].mul_(decay).tril_(-1)
+    gram = sim[:, :, c:].mul_(decay)  # Gamma is 0 above the diagonal: zeroing the diagonal is enough
+    gram.diagonal(dim1=-2, dim2=-1).zero_()
     scratch = ws("scratch_cc", num, c, c)
     inverse = unit_lower_inverse(torch.mul(gram, beta_c[..., :, None], out=scratch), out=ws("inverse", num, c, c))
 

@@ -166,14 +166,17 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     xv = bmm(xo, v_new.mT, out=ws("xv", num, 2 * c, c))
 
     # O = Qg S + P V'  (gradients w.r.t. the scaled query q^ = scale y_q)
-    dq = xs[:, :, :c].mul_(gamma_exp[..., None])
-    dgamma = (dq * query).sum(-1).mul_(scale)
+    dq_g = xs[:, :, :c].mul_(gamma_exp[..., None])
+    dgamma = (dq_g * query).sum(-1).mul_(scale)
     dp = xv[:, :, :c]
     m = dp * seg.attn
     dgamma += m.sum(-1) - m.sum(-2)
     del m
     dp.mul_(seg.decay)
-    batched(dq).baddbmm_(batched(dp), batched(key))
+    # (into a contiguous buffer: an in-place baddbmm_ on the strided rows of xs would run
+    # one matmul per matrix)
+    dq = bmm(dp, key, out=ws("dq", num, c, key.shape[-1]))
+    dq += dq_g
 
     # dK = [scale (dP Gamma)^T | dB + dB^T] [y_q; K] + ...
     lhs = ws("lhs", num, c, 2 * c)

@@ -27,7 +27,7 @@ Tensor = torch.Tensor
 
 # Matrices per batched matmul a segment aims at: large enough for efficient bmm, small
 # enough that a segment's temporaries stay a few MiB.
-SEGMENT_MATRICES = 32
+SEGMENT_MATRICES = 24
 
 
 class ChunkLayout:
@@ -131,12 +131,17 @@ class ChunkLayout:
         g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
         heads, rest = dst.shape[2], tuple(src.shape[3:])
         src = src.unflatten(1, (n, heads, hv // heads))
-        src = src.sum(3) if hv != heads else src.squeeze(3)
-        tokens = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim()))).reshape((n, g * c, heads) + rest)
+        src = src.sum(3) if hv != heads else src.squeeze(3)  # [G, N, Hx, C, *D]
+        chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
         if self.varlen:
             index = self.token_index[:n, c0 * c:c1 * c]
             valid = self.valid[:n, c0 * c:c1 * c]
+            tokens = chunked.reshape((n, g * c, heads) + rest)
             dst[0].index_copy_(0, index[valid], tokens[valid].to(dst.dtype))
-        else:
-            t0, t1 = self._token_span(c0, c1)
-            dst[:, t0:t1].copy_(tokens[:, : t1 - t0])
+            return
+        t0, t1 = self._token_span(c0, c1)
+        full = (t1 - t0) // c  # whole chunks: one strided copy, no intermediate
+        if full:
+            dst[:, t0:t0 + full * c].unflatten(1, (full, c)).copy_(chunked[:, :full])
+        if t0 + full * c < t1:
+            dst[:, t0 + full * c:t1].copy_(chunked[:, full, : t1 - t0 - full * c])

@@ -68,6 +68,20 @@ def _redirect_side_effects() -> None:
     for var, path in targets.items():
         path.mkdir(parents=True, exist_ok=True)
         os.environ[var] = str(path)
+    _prune_run_records(targets["PYPTO_HOME"] / "run")
+
+
+#: How many of PyPTO's per-import ``rundata_<ts>`` records to keep in the cache.
+_KEEP_RUN_RECORDS = 8
+
+
+def _prune_run_records(run_dir: Path) -> None:
+    """PyPTO writes a ``rundata_<ts>`` folder at every import; keep only the newest few."""
+    if not run_dir.is_dir():
+        return
+    records = sorted(p for p in run_dir.iterdir() if p.name.startswith("rundata_"))
+    for old in records[:-_KEEP_RUN_RECORDS]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_internals(pypto: ModuleType) -> None:

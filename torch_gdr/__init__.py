@@ -1,1 +1,13 @@
-"""torch_gdr: the chunked gated delta rule as a PyTorch op."""
+"""torch_gdr: the chunked gated delta rule (Gated DeltaNet) as a PyTorch op.
+
+    o, final_state = torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+
+Importing the package registers ``torch.ops.gdr.chunked_gated_delta_rule``.
+"""
+
+from torch_gdr import ops as _ops  # noqa: F401  (registers the op)
+from torch_gdr.functional import chunk_gated_delta_rule, chunked_gated_delta_rule
+
+__version__ = "0.1.0"
+
+__all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "__version__"]

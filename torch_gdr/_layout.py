@@ -1,0 +1,56 @@
+"""Moves a call between the public layouts and the one every backend computes in.
+
+Public layouts: batched ``[B, T, ...]`` or token-major ``[T, ...]`` (TND); state
+key-first ``[N, HV, K, V]`` or value-first ``[N, HV, V, K]`` (``state_v_first``).
+Backends see batched tensors, a key-first state and int64 ``cu_seqlens`` on the
+inputs' device, and always return the final state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+
+class ForwardFn(Protocol):
+    """A backend's forward in the canonical layout; returns ``(o, final_state)``."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 scale: Optional[float], initial_state: Optional[torch.Tensor], output_final_state: bool,
+                 use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[torch.Tensor],
+                 chunk_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
+def run_in_canonical_layout(
+    forward: ForwardFn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Optional[torch.Tensor],
+    chunk_size: int,
+    state_v_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``forward`` on a checked call in any public layout; return ``(o, final_state)``
+    with ``o`` in the layout of ``v`` and the final state in the layout of the call."""
+    token_major = q.dim() == 3
+    if token_major:
+        q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, final_state = forward(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                             cu_seqlens, chunk_size)
+    assert final_state is not None
+    if token_major:
+        o = o.squeeze(0)
+    if state_v_first:
+        final_state = final_state.transpose(-1, -2)
+    return o.contiguous(), final_state.contiguous()

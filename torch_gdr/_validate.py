@@ -1,0 +1,146 @@
+"""Argument checking shared by the public call, the op and every backend.
+
+Shape, dtype and device checks need no tensor data, so they run everywhere, also
+while ``torch.compile`` traces. The checks on the values of ``cu_seqlens`` read data
+and run only where real tensors are at hand (the op's implementations).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+CHUNK_SIZES: tuple[int, ...] = (16, 32, 64, 128)
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, expected: Sequence[int], layout: str) -> None:
+    if list(tensor.shape) != list(expected):
+        raise ValueError(
+            f"{name}: expected shape {layout} = {list(expected)}, got {_shape(tensor)}"
+        )
+
+
+def _expect_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {tensor.dtype}"
+        )
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    chunk_size: int,
+    state_v_first: bool,
+) -> None:
+    """Check shapes, dtypes and devices of a call; raise ``ValueError``/``TypeError``.
+
+    Accepted layouts: batched ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``,
+    ``g, beta [B, T, HV]``; or token-major (TND) without the batch dim,
+    ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _expect_float(name, t)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+    if q.dim() not in (3, 4):
+        raise ValueError(
+            f"q: expected shape [B, T, H, K] or token-major [T, H, K], got {_shape(q)} ({q.dim()}-D)"
+        )
+    token_major = q.dim() == 3
+    lead = list(q.shape[:-2])  # [B, T] or [T]
+    lead_layout = "[T" if token_major else "[B, T"
+    num_qk_heads, head_k_dim = q.shape[-2], q.shape[-1]
+    _expect_shape("k", k, q.shape, f"{lead_layout}, H, K] (as q)")
+    if v.dim() != q.dim() or list(v.shape[:-2]) != lead:
+        raise ValueError(
+            f"v: expected shape {lead_layout}, HV, V] with leading dims {lead} as q, got {_shape(v)}"
+        )
+    num_v_heads, head_v_dim = v.shape[-2], v.shape[-1]
+    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
+        raise ValueError(
+            f"v: the number of value heads HV = {num_v_heads} must be a positive multiple of the "
+            f"number of q/k heads H = {num_qk_heads} (q shape {_shape(q)}, v shape {_shape(v)})"
+        )
+    for name, t in (("g", g), ("beta", beta)):
+        _expect_shape(name, t, lead + [num_v_heads], f"{lead_layout}, HV]")
+
+    device = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got one on {t.device}")
+
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {list(CHUNK_SIZES)}, got {chunk_size!r}")
+
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in INDEX_DTYPES:
+            raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(
+                f"cu_seqlens: expected shape [N + 1] with N >= 1 (offsets 0, ..., T), got {_shape(cu_seqlens)}"
+            )
+        if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
+            raise ValueError(
+                f"cu_seqlens: expected a tensor on the CPU or on {device} (the device of q), got {cu_seqlens.device}"
+            )
+        if not token_major and q.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens: requires batch size B = 1 (sequences packed along T), got q of shape {_shape(q)}"
+            )
+        num_seqs = cu_seqlens.shape[0] - 1
+    else:
+        num_seqs = 1 if token_major else q.shape[0]
+
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state: expected a torch.Tensor or None, got {type(initial_state).__name__}")
+        _expect_float("initial_state", initial_state)
+        if state_v_first:
+            expected, layout = [num_seqs, num_v_heads, head_v_dim, head_k_dim], "[N, HV, V, K] (state_v_first=True)"
+        else:
+            expected, layout = [num_seqs, num_v_heads, head_k_dim, head_v_dim], "[N, HV, K, V]"
+        _expect_shape("initial_state", initial_state, expected, layout)
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
+    """Check the values of ``cu_seqlens [N + 1]``: start at 0, never decrease, end at T.
+
+    Reads the tensor (a host sync on accelerators); call it only on real tensors.
+    """
+    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    if offsets[0].item() != 0:
+        raise ValueError(f"cu_seqlens: expected the first offset to be 0, got {offsets[0].item()}")
+    steps = offsets[1:] - offsets[:-1]
+    if bool((steps < 0).any()):
+        where = int(torch.nonzero(steps < 0)[0, 0].item())
+        raise ValueError(
+            f"cu_seqlens: expected non-decreasing offsets, got {offsets[where].item()} followed by "
+            f"{offsets[where + 1].item()} at index {where}"
+        )
+    if offsets[-1].item() != num_tokens:
+        raise ValueError(
+            f"cu_seqlens: expected the last offset to equal the number of tokens T = {num_tokens}, "
+            f"got {offsets[-1].item()}"
+        )

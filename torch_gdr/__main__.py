@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 import torch_gdr
 from torch_gdr.dispatch import BACKENDS
+from torch_gdr.ops.pypto import is_pypto_available
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 
@@ -81,12 +82,15 @@ def check_backend(backend: str, device: torch.device, workload: dict[str, torch.
         (o.sum() + s.sum()).backward()
 
     row.forward_backward_ms = _median_ms(forward_backward, repeats, sync)
+    if backend == "pypto" and device.type == "cpu":
+        row.note = "PyPTO's interpreter on the CPU (a correctness check; backward is pure torch)"
     return row
 
 
 def available_targets(backends: Optional[list[str]]) -> list[tuple[str, torch.device]]:
-    """(backend, device) pairs to check: every backend on the CPU, the pure-torch ones on CUDA too."""
-    names = backends or list(BACKENDS)
+    """(backend, device) pairs to check: every available backend on the CPU (pypto through
+    its interpreter, when installed), the pure-torch ones on CUDA too."""
+    names = backends or [name for name in BACKENDS if name != "pypto" or is_pypto_available()]
     targets = [(name, torch.device("cpu")) for name in names]
     if torch.cuda.is_available():
         targets += [(name, torch.device("cuda")) for name in names if name in ("torch", "recurrent")]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+
+#: Device the inputs are made on: ``TORCH_GDR_TEST_DEVICE=cuda`` runs the suite on a GPU.
+TEST_DEVICE = torch.device(os.environ.get("TORCH_GDR_TEST_DEVICE", "cpu"))
 
 
 def make_inputs(
@@ -26,6 +31,7 @@ def make_inputs(
 
     ``gate``: ``"logsigmoid"`` (realistic), ``"strong"`` (g ≈ -30) or ``"zero"`` (no decay).
     ``seqlens``: packed varlen lengths (then B = 1 and ``cu_seqlens`` is returned).
+    Tensors are made on the CPU from a seeded generator, then moved to ``TEST_DEVICE``.
     """
     gen = torch.Generator().manual_seed(seed)
     if seqlens is not None:
@@ -54,7 +60,7 @@ def make_inputs(
         out[name] = out[name].to(dtype)
         if token_major:
             out[name] = out[name].squeeze(0)
-    return out
+    return {name: t.to(TEST_DEVICE) for name, t in out.items()}
 
 
 def rmse_ratio(reference: torch.Tensor, actual: torch.Tensor) -> float:

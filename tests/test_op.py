@@ -17,8 +17,8 @@ def _loss_and_grads(fn, inputs: dict, seed: int = 1, **kwargs) -> tuple[torch.Te
     leaves = {n: t.detach().clone().requires_grad_() if n in DIFFERENTIABLE else t for n, t in inputs.items()}
     o, s = fn(**leaves, output_final_state=True, **kwargs)
     gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
-    dht = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.dtype)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
+    dht = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(s.device, s.dtype)
     loss = (o * do).sum() + (s * dht).sum()
     params = [leaves[n] for n in DIFFERENTIABLE if n in leaves]
     return loss, list(torch.autograd.grad(loss, params))

@@ -19,9 +19,7 @@ import argparse
 import contextlib
 import io
 import re
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +28,7 @@ from torch_gdr.dispatch import kernel_cache
 from torch_gdr.ops.pypto._env import import_pypto, redirected_output, scratch_dir
 from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd
 from torch_gdr.ops.pypto.kernel import build_gdr_kernel, chunk_masks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _recurrence import recurrent_gated_delta_rule_tnd  # noqa: E402
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 CYCLES_PER_US = 1800.0
 DEFAULT_LENS = (300, 17, 0, 130)
@@ -63,7 +59,11 @@ def time_interpreter(w: dict[str, torch.Tensor], chunk_size: int, repeats: int) 
             *(w[n] for n in names), scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size
         )
         times.append(time.perf_counter() - t0)
-    ref_o, ref_state = recurrent_gated_delta_rule_tnd(*(w[n] for n in names), scale=scale, use_qk_l2norm=True)
+    ref_o, ref_state = naive_recurrent_gated_delta_rule(
+        *(w[n].double().unsqueeze(0) for n in ("q", "k", "v", "g", "beta")), scale=scale,
+        initial_state=w["initial_state"].double(), use_qk_l2norm_in_kernel=True, cu_seqlens=w["cu_seqlens"].long(),
+    )
+    ref_o = ref_o[0]
     info = kernel_cache.cache_info()
     return dict(
         first_call_s=times[0],

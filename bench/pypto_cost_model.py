@@ -11,15 +11,29 @@ K = V = 128, l = 64, with an initial state:
 
 Every file PyPTO writes goes to a temporary directory under the torch_gdr cache, removed
 at the end. Run: ``PYTHONPATH=. python bench/pypto_cost_model.py [--head-dim 64]``.
+
+Measured (pypto 0.2.0, torch 2.13.0 CPU, 2 shared x86-64 cores under load 2-6, so the
+wall times are noisy; the cycle counts are deterministic):
+
+=============  ====================  ===================  ==================  ===========
+K = V          interpreter / call    SIM compile + model  total cycles        µs (/1800)
+=============  ====================  ===================  ==================  ===========
+128            2.2-8 s               2.2-6.8 s            617,054             342.8
+64             1.3-2.2 s             2.8-3.5 s            472,362             262.4
+=============  ====================  ===================  ==================  ===========
+
+Max abs error against the float64 recurrence: 1.5e-7 (o), 1.2e-6 (final state) at 128.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
+import os
 import re
+import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +89,26 @@ def time_interpreter(w: dict[str, torch.Tensor], chunk_size: int, repeats: int) 
     )
 
 
+@contextlib.contextmanager
+def silenced_output() -> Iterator[None]:
+    """Silence fds 1 and 2: pypto's cost-model plotting scripts print there (and fail
+    noisily without matplotlib); pypto's own errors still surface as Python exceptions."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(os.devnull, "w") as devnull:
+        for fd in saved:
+            os.dup2(devnull.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 def cost_model(w: dict[str, torch.Tensor], chunk_size: int) -> dict[str, float]:
     """Compile in stock SIM mode and read the cost model's total cycles."""
     import_pypto()
@@ -90,9 +124,8 @@ def cost_model(w: dict[str, torch.Tensor], chunk_size: int) -> dict[str, float]:
     args = [w["q"], w["k"], w["v"], w["g"], w["beta"], w["cu_seqlens"], chunk_masks(chunk_size),
             w["initial_state"], o, state]
     with scratch_dir("costmodel_") as scratch, redirected_output(scratch):
-        noise = io.StringIO()
         t0 = time.perf_counter()
-        with contextlib.redirect_stdout(noise):  # pypto's plotting scripts print here
+        with silenced_output():
             kernel(*args)
         seconds = time.perf_counter() - t0
         reports = sorted(scratch.rglob("_simulate.stat.report.txt"))

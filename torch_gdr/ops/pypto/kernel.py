@@ -244,6 +244,8 @@ def build_gdr_kernel(
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
             if has_initial_state:
+                # "+ 0.0" makes a copy: the state is updated in place below and must not
+                # alias (and overwrite) the caller's initial state.
                 state = pypto.reshape(
                     pypto.view(state_in, [1, 1, dk, dv], [seq, head, 0, 0]), [dk, dv]
                 ) + 0.0

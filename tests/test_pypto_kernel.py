@@ -1,4 +1,4 @@
-"""The PyPTO GDR kernel, run through PyPTO's CPU interpreter, against a float64 recurrence.
+"""The PyPTO GDR kernel, run through PyPTO's CPU interpreter, against the float64 recurrence.
 
 Tolerance, elementwise on o and the final state: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
 """
@@ -23,9 +23,7 @@ if not is_pypto_available():
 from torch_gdr.dispatch import kernel_cache  # noqa: E402
 from torch_gdr.ops.pypto import interpreter  # noqa: E402
 from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _recurrence import recurrent_gated_delta_rule_tnd  # noqa: E402
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +50,18 @@ def make_inputs(
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, initial_state=initial_state)
 
 
+def reference_tnd(inputs: dict, *, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token recurrence in float64 on TND inputs: o ``[T, HV, V]``, state ``[N, HV, K, V]``."""
+    q, k, v, g, beta = (inputs[n].double().unsqueeze(0) for n in ("q", "k", "v", "g", "beta"))
+    initial_state = inputs["initial_state"]
+    o, state = naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.double(),
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=inputs["cu_seqlens"].long(),
+    )
+    return o[0], state
+
+
 def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: bool, scale: float | None = None):
     head_k_dim = inputs["q"].shape[-1]
     scale = head_k_dim ** -0.5 if scale is None else scale
@@ -59,11 +69,9 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
         *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, chunk_size=chunk_size,
     )
-    ref_o, ref_state = recurrent_gated_delta_rule_tnd(
-        *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
-        scale=scale, use_qk_l2norm=use_qk_l2norm,
-    )
+    ref_o, ref_state = reference_tnd(inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
     assert o.dtype == torch.float32 and final_state.dtype == torch.float32
+    assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
     for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
         err = (got.double() - want).abs()
         bound = 1e-3 * want.abs() + 1e-4
@@ -101,6 +109,32 @@ def test_mixed_head_dims_bf16_inputs() -> None:
     inputs = make_inputs([90], head_k_dim=64, head_v_dim=128, with_initial_state=True)
     inputs = {n: (t.bfloat16() if n not in ("cu_seqlens", "initial_state") else t) for n, t in inputs.items()}
     assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True)
+
+
+@pytest.mark.parametrize("gate", [0.0, -30.0], ids=["no_decay", "strong_decay"])
+def test_extreme_gates_stay_finite(gate: float) -> None:
+    """g = 0 (no decay) must not give NaN; g = -30 underflows exp(gamma) and must stay finite."""
+    inputs = make_inputs([70], with_initial_state=True)
+    inputs["g"] = torch.full_like(inputs["g"], gate)
+    assert_close_to_reference(inputs, chunk_size=32, use_qk_l2norm=True)
+
+
+def test_all_sequences_empty_returns_initial_state() -> None:
+    inputs = make_inputs([0, 0], with_initial_state=True)
+    o, final_state = pypto_chunk_gated_delta_rule_fwd(
+        *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
+        scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64,
+    )
+    assert o.shape == (0, 1, 64) and torch.equal(final_state, inputs["initial_state"])
+
+
+def test_cu_seqlens_must_end_at_t() -> None:
+    inputs = make_inputs([40])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        pypto_chunk_gated_delta_rule_fwd(
+            *(inputs[n] for n in ("q", "k", "v", "g", "beta")), torch.tensor([0, 30]), None,
+            scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64,
+        )
 
 
 def test_kernel_built_once_per_key() -> None:

@@ -115,6 +115,10 @@ def _check_internals(pypto: ModuleType) -> None:
 def import_pypto() -> ModuleType:
     """Return the ``pypto`` module, importing it on first use with side effects redirected.
 
+    pypto records each import under ``PYPTO_HOME``; if the application imported pypto
+    before torch_gdr, that one record went to pypto's default place. Per-call output is
+    redirected regardless.
+
     Raises:
         PyptoUnavailableError: pypto is not installed, is not 0.2.0, or lacks the internals
             the CPU interpreter patches.

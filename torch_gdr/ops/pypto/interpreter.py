@@ -49,13 +49,19 @@ def _calculator_dir() -> Path:
 def load_calculator() -> None:
     """Build pypto's calculator library once into the cache (about 30-45 s), then load it.
 
+    The first build needs cmake and a C++ compiler (pypto compiles it against torch's headers).
+
     Builds in a temporary folder and renames it into place, so a crashed or concurrent
     build never leaves a half-built library behind.
     """
     import_pypto()
     from pypto._utils import BuildOnlineManager
 
-    manager = BuildOnlineManager()
+    with _lock:
+        _build_and_load_calculator(BuildOnlineManager())
+
+
+def _build_and_load_calculator(manager: Any) -> None:
     if manager.calculator_loaded:
         return
     target = _calculator_dir()

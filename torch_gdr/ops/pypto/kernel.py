@@ -36,7 +36,10 @@ The decay exponent is masked to the lower triangle *before* the exp (the upper t
 would overflow). A tail chunk shorter than l is read with ``valid_shape``, zero-filled with
 ``fillpad`` (zero k, v, beta and g leave the result exact) and only its valid rows are
 written back with ``assemble``. The sequence x value-head loop is one flat ``parallel``
-loop (independent work); the chunk loop carries the state and is sequential.
+loop (independent work; ``parallel=True`` documents intent, pypto 0.2.0 ignores it and
+overlaps iterations by their data dependencies); the chunk loop carries the state and is
+sequential. Keeping to two nested loops avoids a 0.2.0 defect where three nested
+sequential loops with a heavy body recycle workspace too early.
 
 Tile shapes are those of an Ascend 910B core: vector tiles of at most 64 x 128 fp32
 (32 KiB, several live in the 192 KiB unified buffer) and cube tiles of 64 x 64 fp32
@@ -57,6 +60,12 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
 SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Size of the diagonal blocks inverted directly before the pairwise merges.
 BASE_BLOCK = 16
+#: pypto's stitch limit. The cost model (stock SIM, default workload: lengths
+#: [300, 17, 0, 130], H=2, HV=4, K=V=128, l=64) gives 1,286,449 cycles with pypto's default,
+#: 846,505 at 32 and 617,054 from 128 on (5,109,415 at 2): a wider stitch lets the
+#: independent (sequence, head) chains overlap. Larger stitches need more device workspace;
+#: this setting has not run on hardware.
+DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 #: Epsilon of the in-kernel l2 norm, as in the reference.
 L2NORM_EPS = 1e-6
 
@@ -172,6 +181,7 @@ def build_gdr_kernel(
     scale: float,
     has_initial_state: bool,
     on_device: bool = False,
+    stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR forward kernel for one configuration.
 
@@ -185,6 +195,8 @@ def build_gdr_kernel(
         has_initial_state: read ``state_in``; otherwise every sequence starts from zeros.
         on_device: run mode NPU (launch on the Ascend device) rather than SIM (CPU; see
             :mod:`.interpreter` for how it yields numbers).
+        stitch_function_max_num: pypto runtime option, how many loop-body functions the
+            scheduler stitches into one submission; see ``DEFAULT_STITCH_FUNCTION_MAX_NUM``.
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
@@ -205,7 +217,7 @@ def build_gdr_kernel(
     vec_rows = min(l, 64)
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
+    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num})
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
         k: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
@@ -232,6 +244,8 @@ def build_gdr_kernel(
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
             if has_initial_state:
+                # "+ 0.0" makes a copy: the state is updated in place below and must not
+                # alias (and overwrite) the caller's initial state.
                 state = pypto.reshape(
                     pypto.view(state_in, [1, 1, dk, dv], [seq, head, 0, 0]), [dk, dv]
                 ) + 0.0

@@ -167,9 +167,14 @@ def test_kernel_built_once_per_key() -> None:
     assert kernel_cache.cache_info() == kernel_cache.CacheInfo(0, 0, ())
 
 
-def test_pick_chunk_size() -> None:
-    assert kernel_cache.pick_chunk_size(17) == 32
-    assert kernel_cache.pick_chunk_size(300) == 64
+@pytest.mark.parametrize(
+    ("max_seqlen", "requested", "expected"),
+    [(17, 64, 32), (32, 128, 32), (33, 128, 64), (100, 128, 128), (300, 64, 64), (300, 128, 128), (0, 64, 32),
+     (17, 32, 32)],
+)
+def test_pick_chunk_size_takes_the_shortest_chunk_holding_the_longest_sequence(
+        max_seqlen: int, requested: int, expected: int) -> None:
+    assert kernel_cache.pick_chunk_size(max_seqlen, requested) == expected
 
 
 def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:

@@ -45,8 +45,6 @@ class CacheInfo(NamedTuple):
 
 #: Chunk lengths the kernel offers, smallest first.
 CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
-#: Chunk length for sequences longer than the smallest chunk (flash-linear-attention's default).
-DEFAULT_CHUNK_SIZE = 64
 
 _lock = threading.Lock()
 _kernels: dict[KernelKey, Any] = {}
@@ -54,13 +52,16 @@ _hits = 0
 _misses = 0
 
 
-def pick_chunk_size(max_seqlen: int) -> int:
-    """Chunk length for a batch whose longest sequence has ``max_seqlen`` tokens.
+def pick_chunk_size(max_seqlen: int, requested: int) -> int:
+    """Kernel chunk length for a batch whose longest sequence has ``max_seqlen`` tokens.
 
-    Short batches (every sequence within 32 tokens) take l = 32, which halves the padded
-    work of a 64-chunk; anything longer takes l = 64.
+    Every chunk length gives the same result up to rounding, so a batch of short
+    sequences takes the shortest kernel chunk that still holds its longest sequence in one
+    chunk, when that is shorter than ``requested``: less padded work, same answer.
+    Otherwise the requested length stands.
     """
-    return CHUNK_SIZES[0] if max_seqlen <= CHUNK_SIZES[0] else DEFAULT_CHUNK_SIZE
+    covering = next((size for size in CHUNK_SIZES if size >= max_seqlen), requested)
+    return min(requested, covering)
 
 
 def _default_builder(**config: Any) -> Any:

@@ -22,6 +22,7 @@ import torch
 
 from torch_gdr._layout import run_in_canonical_layout
 from torch_gdr.dispatch.device import is_npu_device
+from torch_gdr.dispatch.kernel_cache import pick_chunk_size
 from torch_gdr.ops.registration import _check_real
 from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 
@@ -88,6 +89,10 @@ def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, 
     batch_size, seq_len = q.shape[:2]
     if cu_seqlens is None:
         cu_seqlens = torch.arange(batch_size + 1, device=q.device) * seq_len
+        max_seqlen = seq_len
+    else:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    chunk_size = pick_chunk_size(max_seqlen, chunk_size)
     o, final_state = pypto_chunk_gated_delta_rule_fwd(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1), cu_seqlens,
         None if initial_state is None else initial_state.float(),

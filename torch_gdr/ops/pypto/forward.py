@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from torch_gdr._validate import check_cu_seqlens_values, check_inputs
+
 from . import interpreter
-from .kernel import chunk_masks
+from .kernel import SUPPORTED_CHUNK_SIZES, chunk_masks
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
 #: :func:`.kernel.build_gdr_kernel`.
@@ -26,37 +28,6 @@ def _default_kernel_getter() -> KernelGetter:
     from torch_gdr.dispatch.kernel_cache import get_gdr_kernel
 
     return get_gdr_kernel
-
-
-def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    initial_state: torch.Tensor | None,
-) -> None:
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
-    num_tokens, num_qk_heads, head_k_dim = q.shape
-    if v.dim() != 3 or v.shape[0] != num_tokens:
-        raise ValueError(f"v must be [T, HV, V] with T={num_tokens}; got {tuple(v.shape)}")
-    num_v_heads = v.shape[1]
-    if num_v_heads % num_qk_heads:
-        raise ValueError(f"HV={num_v_heads} must be a multiple of H={num_qk_heads}")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (num_tokens, num_v_heads):
-            raise ValueError(f"{name} must be [T, HV] = [{num_tokens}, {num_v_heads}]; got {tuple(t.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1]")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != num_tokens or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={num_tokens}; got {offsets}")
-    if initial_state is not None:
-        expected = (len(offsets) - 1, num_v_heads, head_k_dim, v.shape[2])
-        if tuple(initial_state.shape) != expected:
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {list(expected)}; got {tuple(initial_state.shape)}")
 
 
 def pypto_chunk_gated_delta_rule_fwd(
@@ -88,7 +59,14 @@ def pypto_chunk_gated_delta_rule_fwd(
     Returns:
         ``o [T, HV, V]`` fp32 and the final state ``[N, HV, K, V]`` fp32 key-first.
     """
-    _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first=False)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected the token-major shape [T, H, K], got {list(q.shape)}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: expected [N + 1] offsets for token-major input, got None")
+    check_cu_seqlens_values(cu_seqlens, q.shape[0])
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"chunk_size: the kernel has {list(SUPPORTED_CHUNK_SIZES)}, got {chunk_size}")
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]

@@ -226,3 +226,14 @@ def test_bad_inputs_raise() -> None:
         layer(inputs(2, 4), attention_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="hidden_states"):
         layer(torch.randn(2, 4, HIDDEN + 1))
+
+
+def test_importing_torch_gdr_does_not_import_transformers() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_gdr, torch_gdr.nn, torch_gdr.integrations.transformers; "
+            "sys.exit('transformers' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0

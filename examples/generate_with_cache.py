@@ -24,8 +24,9 @@ from torch_gdr.nn import GatedDeltaNetCache
 def generate(model: TinyLM, prompts: list[torch.Tensor], new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy decode of left-padded prompts; returns the new tokens ``[B, new_tokens]`` and each step's logits."""
     longest = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    device = prompts[0].device
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p):] = p
         mask[i, longest - len(p):] = 1
@@ -52,21 +53,29 @@ def check_against_rerun(model: TinyLM, prompts: list[torch.Tensor], tokens: torc
     return worst
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     """Median seconds of ``repeats`` calls after a warm-up (robust to a busy machine)."""
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
-def benchmark(model: TinyLM, vocab: int, prompt_len: int, steps: int, repeats: int) -> tuple[float, float]:
+def benchmark(model: TinyLM, vocab: int, prompt_len: int, steps: int, repeats: int,
+              device: torch.device) -> tuple[float, float]:
     """Seconds per new token: a cached decode step, and re-running the forward of prompt_len tokens."""
-    ids = torch.randint(vocab, (1, prompt_len))
+    ids = torch.randint(vocab, (1, prompt_len), device=device)
     cache = GatedDeltaNetCache()
     model(ids, cache=cache)
     token = ids[:, -1:]
@@ -94,28 +103,30 @@ def main() -> None:
     parser.add_argument("--decode-backend", default=None,
                         help="backend of single-token steps (default: --backend); 'recurrent' pads no chunk")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.hidden, args.layers, args.heads, args.v_heads, args.head_dim,
-                   backend=args.backend).eval()
+                   backend=args.backend).to(args.device).eval()
     for block in model.blocks:
         block.mixer.decode_backend = args.decode_backend
     with torch.no_grad():  # milder decays than the default init, so the state matters
         for block in model.blocks:
             block.mixer.A_log.uniform_(-3.0, -1.0)
-    prompts = [torch.randint(args.vocab, (n,)) for n in (23, 7, 16)]
+    prompts = [torch.randint(args.vocab, (n,)).to(args.device) for n in (23, 7, 16)]
     tokens, steps = generate(model, prompts, args.new_tokens)
     for prompt, new in zip(prompts, tokens):
         print(f"prompt of {len(prompt):2d} tokens -> {new.tolist()}")
     print(f"cached decode vs re-running each sequence: max |logits diff| = "
           f"{check_against_rerun(model, prompts, tokens, steps):.2e}")
 
-    per_step, rerun = benchmark(model, args.vocab, args.prompt_len, steps=16, repeats=5)
+    per_step, rerun = benchmark(model, args.vocab, args.prompt_len, steps=16, repeats=5,
+                               device=torch.device(args.device))
     print(f"config: hidden {args.hidden}, {args.layers} layers, H {args.heads}, HV {args.v_heads}, "
-          f"head dim {args.head_dim}, vocab {args.vocab}, batch 1, fp32, {torch.get_num_threads()} threads, "
+          f"head dim {args.head_dim}, vocab {args.vocab}, batch 1, fp32, {args.device}, {torch.get_num_threads()} threads, "
           f"backend {args.backend}, decode backend {args.decode_backend or args.backend}")
     print(f"decode with the cache: {per_step * 1e3:.2f} ms/token;  re-running the forward at T = "
           f"{args.prompt_len}: {rerun * 1e3:.1f} ms/token  ({rerun / per_step:.0f}x)")

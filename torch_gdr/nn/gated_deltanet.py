@@ -63,7 +63,9 @@ class GatedDeltaNet(nn.Module):
         layer_idx: this layer's key in a :class:`GatedDeltaNetCache`.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
-        decode_backend: backend of single-token decode steps (``backend`` when None).
+        decode_backend: backend of single-token decode steps (``backend`` when None). On
+            CPUs ``"recurrent"`` steps are about twice as fast as the chunked op, which pads
+            the token to a 16-token chunk.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,

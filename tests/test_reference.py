@@ -97,3 +97,17 @@ def test_sequences_never_mix() -> None:
     assert torch.equal(o[0, :20], o2[0, :20]) and torch.equal(o[0, 50:], o2[0, 50:])
     assert torch.equal(s[0], s2[0]) and torch.equal(s[2], s2[2])
     assert not torch.allclose(o[0, 20:50], o2[0, 20:50])
+
+
+@pytest.mark.parametrize("backend", ["torch", "recurrent"])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_all_sequences_empty_returns_a_copy_of_the_initial_state(backend: str, state_v_first: bool) -> None:
+    inputs = make_inputs(seqlens=[0, 0], with_initial_state=True)
+    if state_v_first:
+        inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
+    o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True, backend=backend,
+                                           state_v_first=state_v_first)
+    assert o.shape == inputs["v"].shape
+    assert torch.equal(s, inputs["initial_state"])
+    s.add_(1.0)  # the result is the caller's own tensor, not an alias of the input
+    assert not torch.equal(s, inputs["initial_state"])

@@ -7,7 +7,8 @@ Importing the package registers ``torch.ops.gdr.chunked_gated_delta_rule``.
 
 from torch_gdr import ops as _ops  # noqa: F401  (registers the op)
 from torch_gdr.functional import chunk_gated_delta_rule, chunked_gated_delta_rule
+from torch_gdr import nn  # noqa: E402  (layers built on the op)
 
 __version__ = "0.1.0"
 
-__all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "__version__"]
+__all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "nn", "__version__"]

@@ -53,7 +53,14 @@ def run_in_canonical_layout(
         o = o.squeeze(0)
     if state_v_first:
         final_state = final_state.transpose(-1, -2)
+    if initial_state is not None and _shares_storage(final_state, initial_state):
+        # No token ran (every sequence empty): never hand the caller's tensor back as a result.
+        final_state = final_state.clone()
     return o.contiguous(), final_state.contiguous()
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def run_backward_in_canonical_layout(

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from torch_gdr._validate import check_inputs
-from torch_gdr.dispatch.backends import get_backend, resolve_backend
+from torch_gdr.dispatch.backends import select_backend
 
 
 def chunk_gated_delta_rule(
@@ -55,8 +55,10 @@ def chunk_gated_delta_rule(
             result up to rounding.
         state_v_first: states are value-first ``[N, HV, V, K]`` (the layout of vLLM, the
             CANN op and PyPTO) instead of key-first.
-        backend: ``"torch"`` (the chunked pure-torch op) or ``"recurrent"`` (the per-token
-            recurrence); None takes ``TORCH_GDR_BACKEND`` or the default for the device.
+        backend: ``"torch"`` (the chunked pure-torch op), ``"recurrent"`` (the per-token
+            recurrence) or ``"pypto"`` (the PyPTO kernel: on NPUs, or on the CPU through
+            PyPTO's interpreter); None takes ``TORCH_GDR_BACKEND`` or the default for the
+            device (``"pypto"`` on NPUs, with a pure-torch fallback; ``"torch"`` elsewhere).
 
     Returns:
         ``o`` in the shape of v and dtype of v, and the final state (float32; float64 for
@@ -66,9 +68,11 @@ def chunk_gated_delta_rule(
     Raises:
         ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend.
         TypeError: non-floating inputs or non-integer ``cu_seqlens``.
+        torch_gdr.dispatch.PyptoBackendError: ``backend="pypto"`` was named and the kernel
+            cannot serve the call (pypto absent, an unsupported head dim, dtype or chunk size).
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    forward = get_backend(resolve_backend(backend, q.device))
+    forward = select_backend(backend, q.device)
     o, final_state = forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                              cu_seqlens, chunk_size, state_v_first)
     return o, (final_state if output_final_state else None)

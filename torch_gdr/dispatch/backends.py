@@ -4,19 +4,26 @@
 | ----------- | ---------------------------------------------------------- |
 | "torch"     | the op with the pure-torch chunked algorithm, any device   |
 | "recurrent" | the per-token recurrence (the definition), any device      |
+| "pypto"     | the PyPTO kernel: on Ascend NPUs, or on the CPU through    |
+|             | PyPTO's interpreter (a correctness check, not fast)        |
 
 ``backend=None`` takes ``TORCH_GDR_BACKEND`` when it is set, else the default for the
-inputs' device.
+inputs' device: ``"pypto"`` on NPUs (falling back to ``"torch"`` with a warning where the
+kernel cannot serve a call), ``"torch"`` elsewhere. A backend named by the argument or the
+environment variable is a demand: where it cannot serve a call, the call raises.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Optional
 
 import torch
 
 from torch_gdr._layout import run_in_canonical_layout
+from torch_gdr.dispatch.device import is_npu_device
+from torch_gdr.dispatch.pypto_backend import pypto_backend
 from torch_gdr.ops.registration import _check_real
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -43,28 +50,36 @@ def _torch_op(*args):
     return torch.ops.gdr.chunked_gated_delta_rule(*args)
 
 
-BACKENDS: dict[str, BackendFn] = {"torch": _torch_op, "recurrent": _recurrent}
+BACKENDS: dict[str, BackendFn] = {"torch": _torch_op, "recurrent": _recurrent, "pypto": pypto_backend}
 
 
 def default_backend(device: torch.device) -> str:
     """The backend ``backend=None`` means on ``device`` when no environment variable is set."""
-    return "torch"
+    return "pypto" if is_npu_device(device.type) else "torch"
 
 
-def resolve_backend(backend: Optional[str], device: torch.device) -> str:
-    """Name the backend that serves a call; raise ``ValueError`` for an unknown name."""
+def _resolve(backend: Optional[str], device: torch.device) -> tuple[str, bool]:
+    """``(name, named)``: the backend serving a call and whether the caller named it."""
     source = "backend"
     if backend is None:
         backend = os.environ.get(BACKEND_ENV_VAR) or None
         source = BACKEND_ENV_VAR
     if backend is None:
-        return default_backend(device)
+        return default_backend(device), False
     if backend not in BACKENDS:
         raise ValueError(f"{source}: expected one of {sorted(BACKENDS)}, got {backend!r}")
-    return backend
+    return backend, True
 
 
-def get_backend(name: str) -> BackendFn:
-    """The callable of a resolved backend; it takes the op's arguments in order and
-    returns ``(o, final_state)``."""
+def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """Name the backend that serves a call; raise ``ValueError`` for an unknown name."""
+    return _resolve(backend, device)[0]
+
+
+def select_backend(backend: Optional[str], device: torch.device) -> BackendFn:
+    """The callable serving a call: it takes the op's arguments in order and returns
+    ``(o, final_state)``. The default PyPTO backend may fall back; a named one may not."""
+    name, named = _resolve(backend, device)
+    if name == "pypto" and not named:
+        return functools.partial(pypto_backend, explicit=False)
     return BACKENDS[name]

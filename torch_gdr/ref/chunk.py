@@ -233,6 +233,29 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     return o, layout.unsort_states(states[0].view(final_shape)).clone()
 
 
+class _ChunkedFunction(torch.autograd.Function):
+    """The chunked forward with the hand-written backward, for direct autograd use."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size):
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size)
+        return _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                             chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state):
+        from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        scale, use_qk_l2norm_in_kernel, chunk_size = ctx.options
+        if grad_o is None:
+            grad_o = torch.zeros_like(v)
+        grads = chunk_gated_delta_rule_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
+                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+        return grads + (None, None, None, None)
+
+
 def chunk_gated_delta_rule_fwd(
     q: Tensor,
     k: Tensor,
@@ -248,9 +271,10 @@ def chunk_gated_delta_rule_fwd(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated delta rule by the chunked algorithm.
 
-    Differentiable: under autograd (grad mode on and an input requiring grad) the call goes
-    through ``torch.ops.gdr.chunked_gated_delta_rule``, whose backward is the hand-written
-    one of :mod:`torch_gdr.ref.chunk_backward`.
+    Differentiable: under autograd (grad mode on and an input requiring grad) the call is an
+    autograd function whose backward is the hand-written one of
+    :mod:`torch_gdr.ref.chunk_backward` (the same the op uses; no op is called, so this
+    is safe inside op implementations too).
 
     Args:
         q, k: ``[B, T, H, K]``.
@@ -268,10 +292,8 @@ def chunk_gated_delta_rule_fwd(
     """
     tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        from torch_gdr.ops.registration import chunked_gated_delta_rule
-
-        o, final_state = chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, True,
-                                                  use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, False)
+        o, final_state = _ChunkedFunction.apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel,
+                                                cu_seqlens, chunk_size)
     else:
         o, final_state = _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                        cu_seqlens, chunk_size)

@@ -1,0 +1,158 @@
+"""Backend choice, the PyPTO backend's fallbacks, NPU detection and the kernel cache."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import torch_gdr
+from tests.helpers import make_inputs
+from torch_gdr.dispatch import backends, kernel_cache, pypto_backend
+from torch_gdr.dispatch.pypto_backend import PyptoBackendError, PyptoFallbackWarning
+from torch_gdr.ops.pypto import is_pypto_available
+
+needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not installed")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inputs(**overrides) -> dict:
+    spec = dict(seqlens=[40, 0, 9], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                with_initial_state=True, dtype=torch.float32)
+    spec.update(overrides)
+    inputs = make_inputs(**spec)
+    inputs["initial_state"] = inputs["initial_state"].to(spec["dtype"])
+    return inputs
+
+
+@pytest.fixture
+def npu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make CPU tensors take the default backend of an NPU device ("pypto", may fall back)."""
+    monkeypatch.setattr(backends, "default_backend", lambda device: "pypto")
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
+    monkeypatch.setattr(pypto_backend, "_warned", set())
+
+
+def _no_pypto(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch_gdr.ops.pypto as pypto_package
+
+    monkeypatch.setattr(pypto_package, "is_pypto_available", lambda: False)
+
+
+def _broken_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(**config):
+        raise RuntimeError("simulated compile failure")
+
+    monkeypatch.setattr(kernel_cache, "_default_builder", fail)
+    kernel_cache.cache_clear()
+
+
+# reason: (changes to the inputs, monkeypatch to apply, text the reason must contain)
+FALLBACKS = {
+    "head_dim": (dict(head_k_dim=32, head_v_dim=32), None, "head dims"),
+    "float64": (dict(dtype=torch.float64), None, "float64"),
+    "chunk_size": (dict(chunk_size=16), None, "chunk sizes"),
+    "pypto_absent": ({}, _no_pypto, "pip install 'torch_gdr[npu]'"),
+    "compile_failure": ({}, _broken_build, "simulated compile failure"),
+}
+
+
+def _split(changes: dict) -> tuple[dict, dict]:
+    call = {k: v for k, v in changes.items() if k == "chunk_size"}
+    return {k: v for k, v in changes.items() if k != "chunk_size"}, call
+
+
+@pytest.mark.parametrize("reason", list(FALLBACKS))
+def test_default_backend_falls_back_with_one_warning(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
+    changes, patch, text = FALLBACKS[reason]
+    if patch is not None:
+        patch(monkeypatch)
+    spec, call = _split(changes)
+    inputs = _inputs(**spec)
+    expected = torch_gdr.chunk_gated_delta_rule(**inputs, **call, output_final_state=True, backend="torch")
+    with pytest.warns(PyptoFallbackWarning, match=re.escape(text)):
+        got = torch_gdr.chunk_gated_delta_rule(**inputs, **call, output_final_state=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason warns once only
+        torch_gdr.chunk_gated_delta_rule(**inputs, **call, output_final_state=True)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("reason", list(FALLBACKS))
+def test_named_backend_raises_instead(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
+    changes, patch, text = FALLBACKS[reason]
+    if patch is not None:
+        patch(monkeypatch)
+    spec, call = _split(changes)
+    with pytest.raises(PyptoBackendError, match=re.escape(text)):
+        torch_gdr.chunk_gated_delta_rule(**_inputs(**spec), **call, backend="pypto")
+
+
+@pytest.mark.parametrize("reason", ["head_dim", "pypto_absent"])
+def test_strict_mode_turns_fallbacks_into_errors(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
+    changes, patch, text = FALLBACKS[reason]
+    if patch is not None:
+        patch(monkeypatch)
+    monkeypatch.setenv("TORCH_GDR_STRICT", "1")
+    with pytest.raises(PyptoBackendError, match="cannot serve"):
+        torch_gdr.chunk_gated_delta_rule(**_inputs(**changes))
+
+
+def test_cpu_default_is_torch_and_cuda_rejects_pypto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    assert backends.resolve_backend(None, torch.device("cpu")) == "torch"
+    assert backends.default_backend(torch.device("cuda")) == "torch"
+    for npu_type in ("npu", "privateuseone"):
+        assert backends.default_backend(SimpleNamespace(type=npu_type)) == "pypto"
+    q = torch.empty(1, 1, 1, 64, device="meta")
+    assert "not on 'meta'" in pypto_backend.unsupported_reason(q, q, 64)
+
+
+def test_npu_implementation_is_registered_for_privateuseone() -> None:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gdr::chunked_gated_delta_rule", "PrivateUse1")
+
+
+def test_broken_torch_npu_means_no_npu_and_never_loads_at_import(tmp_path: Path) -> None:
+    fake = tmp_path / "torch_npu"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('Failed to load the backend extension: libhccl.so')\n")
+    script = textwrap.dedent("""
+        import sys
+        import torch_gdr
+        assert "torch_npu" not in sys.modules, "torch_npu imported at package import"
+        from torch_gdr.dispatch import npu_available
+        assert npu_available() is False
+        print("ok")
+    """)
+    env_path = f"{tmp_path}:{REPO_ROOT}"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@needs_pypto
+def test_pypto_public_call_matches_reference_and_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batched (non-varlen) fp16 input, value-first state: the layout work around the kernel."""
+    kernel_cache.cache_clear()
+    inputs = make_inputs(batch_size=2, seq_len=70, num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                         with_initial_state=True, dtype=torch.float16)
+    inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).float().contiguous()
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True, scale=0.2)
+    expected_o, expected_s = torch_gdr.chunk_gated_delta_rule(**inputs, **kwargs, backend="torch")
+    for _ in range(2):
+        o, s = torch_gdr.chunk_gated_delta_rule(**inputs, **kwargs, backend="pypto")
+        assert o.dtype == torch.float16 and s.shape == expected_s.shape
+        torch.testing.assert_close(o.float(), expected_o.float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(s, expected_s, atol=1e-4, rtol=1e-3)
+    info = kernel_cache.cache_info()
+    assert (info.misses, info.hits, len(info.keys)) == (1, 1, 1)
+    assert info.keys[0].num_seqs == 2 and info.keys[0].num_v_heads == 2 and info.keys[0].chunk_size == 64

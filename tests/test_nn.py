@@ -1,0 +1,239 @@
+"""torch_gdr.nn: the Gated DeltaNet layer, its short conv, and decoding with the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_gdr.nn import GatedDeltaNet, GatedDeltaNetCache, causal_depthwise_conv1d
+
+BACKENDS = ["torch", "recurrent"]
+HIDDEN = 32
+
+
+def make_layer(backend: str | None = "torch", dtype: torch.dtype = torch.float32, seed: int = 0,
+               **kwargs) -> GatedDeltaNet:
+    """A small layer (2 q/k heads, 4 value heads) with realistic, mild decays so that the
+    carried state matters (Qwen3-Next's init, A up to 16, forgets within a token or two)."""
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(HIDDEN, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, backend=backend,
+                          **kwargs).to(dtype)
+    with torch.no_grad():
+        layer.A_log.uniform_(-3.0, -1.0)  # A in [0.05, 0.37]: g about -0.1 per token
+        layer.dt_bias.normal_(0.0, 0.5)
+        layer.norm.weight.normal_(1.0, 0.1)
+    return layer
+
+
+def inputs(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def decode(layer: GatedDeltaNet, x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Prefill ``x[:, :prompt_len]`` then feed the rest one token at a time."""
+    cache = GatedDeltaNetCache()
+    outputs = [layer(x[:, :prompt_len], cache=cache)]
+    for t in range(prompt_len, x.shape[1]):
+        outputs.append(layer(x[:, t : t + 1], cache=cache))
+    assert cache.get_seq_length() == x.shape[1]
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_dtypes_and_grad(backend: str) -> None:
+    layer = make_layer(backend)
+    x = inputs(2, 19).requires_grad_()
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_parameter_names_and_shapes() -> None:
+    layer = GatedDeltaNet(HIDDEN, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel_size=3)
+    shapes = {k: tuple(v.shape) for k, v in layer.state_dict().items()}
+    assert shapes == {
+        "in_proj_qkvz.weight": (2 * 16 + 2 * 24, HIDDEN),
+        "in_proj_ba.weight": (8, HIDDEN),
+        "conv1d.weight": (2 * 16 + 24, 1, 3),
+        "dt_bias": (4,),
+        "A_log": (4,),
+        "norm.weight": (6,),
+        "out_proj.weight": (HIDDEN, 24),
+    }
+    assert torch.all(layer.A_log.exp() >= 0.01 - 1e-6) and torch.all(layer.A_log.exp() <= 16 + 1e-4)
+    with pytest.raises(ValueError):
+        GatedDeltaNet(HIDDEN, num_heads=3, num_v_heads=4)
+
+
+def test_bfloat16_forward_runs() -> None:
+    layer = make_layer(dtype=torch.bfloat16)
+    x = inputs(2, 9, dtype=torch.bfloat16)
+    reference = make_layer(dtype=torch.float32)(x.float())
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert (y.float() - reference).abs().max() < 0.1 * reference.abs().max() + 0.05
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prompt_len", [1, 13])
+def test_decode_equals_forward(backend: str, prompt_len: int) -> None:
+    """Prefill + one token at a time == one forward of the whole sequence (fp32, 1e-5); batch of 3."""
+    layer = make_layer(backend)
+    x = inputs(3, 24)
+    with torch.no_grad():
+        full = layer(x)
+        stepped = decode(layer, x, prompt_len)
+    assert (stepped - full).abs().max().item() < 1e-5
+
+
+def test_decode_backend_and_float64() -> None:
+    layer = make_layer("torch", dtype=torch.float64, decode_backend="recurrent")
+    x = inputs(2, 20, dtype=torch.float64)
+    with torch.no_grad():
+        assert (decode(layer, x, 7) - layer(x)).abs().max().item() < 1e-12
+
+
+def test_gradients_flow_through_decode() -> None:
+    """Autograd through prefill and every decode step gives the full forward's gradients."""
+    layer = make_layer("torch", dtype=torch.float64)
+    x = inputs(2, 12, dtype=torch.float64)
+    weight = torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def grads(run):
+        layer.zero_grad()
+        xx = x.clone().requires_grad_()
+        (run(xx) * weight).sum().backward()
+        return [xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    for a, b in zip(grads(layer), grads(lambda xx: decode(layer, xx, 5))):
+        assert (a - b).abs().max().item() < 1e-10
+
+
+def test_cache_feeds_back_across_chunks() -> None:
+    """Prompt in three multi-token pieces through the cache == one call."""
+    layer = make_layer("torch")
+    x = inputs(2, 40)
+    cache = GatedDeltaNetCache()
+    with torch.no_grad():
+        pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
+        assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
+    cache.reorder(torch.tensor([1]))
+    assert cache.get(0).recurrent_state.shape[0] == 1 and cache.get(0).conv_state.shape[0] == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_equals_padded(backend: str) -> None:
+    """Packed ``[1, T]`` + cu_seqlens == each sequence alone == a right-padded batch with a mask;
+    the conv never reads across a boundary, and the packed prefill's cache decodes as a batch."""
+    layer = make_layer(backend)
+    lengths = [5, 0, 17, 2, 9]
+    seqs = [inputs(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0)
+    with torch.no_grad():
+        packed_cache = GatedDeltaNetCache()
+        packed = layer(torch.cat(seqs, dim=1), cu_seqlens=cu_seqlens, cache=packed_cache)
+        alone = torch.cat([layer(s) for s in seqs if s.shape[1]], dim=1)
+        assert (packed - alone).abs().max().item() < 1e-5
+
+        longest = max(lengths)
+        padded = torch.zeros(len(lengths), longest, HIDDEN)
+        mask = torch.zeros(len(lengths), longest)
+        for i, s in enumerate(seqs):
+            padded[i, : s.shape[1]] = s[0]
+            mask[i, : s.shape[1]] = 1
+        out = layer(padded, attention_mask=mask)
+        assert (out[mask.bool()] - packed[0]).abs().max().item() < 1e-5
+
+        # Continue every packed sequence by three tokens, as one batch.
+        nxt = inputs(len(lengths), 3, seed=99)
+        stepped = torch.cat([layer(nxt[:, t : t + 1], cache=packed_cache) for t in range(3)], dim=1)
+        for i, s in enumerate(seqs):
+            whole = layer(torch.cat([s, nxt[i : i + 1]], dim=1))
+            assert (whole[:, -3:] - stepped[i : i + 1]).abs().max().item() < 1e-5
+
+
+def test_left_padding_mask_then_decode() -> None:
+    """Left-padded batch (as in generation): real tokens' outputs and the decode afterwards
+    equal those of each unpadded sequence."""
+    layer = make_layer("torch")
+    lengths = [11, 4, 2]
+    total, extra = 11, 4
+    seqs = [inputs(1, n + extra, seed=20 + i) for i, n in enumerate(lengths)]
+    x = torch.zeros(3, total, HIDDEN)
+    mask = torch.zeros(3, total, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        x[i, total - n :] = s[0, :n]
+        x[i, : total - n] = 7.0  # garbage in the padding must not matter
+        mask[i, total - n :] = 1
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        prompt_out = layer(x, attention_mask=mask, cache=cache)
+        steps = [layer(torch.cat([s[:, n + t : n + t + 1] for s, n in zip(seqs, lengths)]), cache=cache)
+                 for t in range(extra)]
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            whole = layer(s)
+            assert (prompt_out[i, total - n :] - whole[0, :n]).abs().max().item() < 1e-5
+            got = torch.cat([st[i] for st in steps])
+            assert (got - whole[0, n:]).abs().max().item() < 1e-5
+
+
+def test_padded_decode_token_leaves_state_alone() -> None:
+    layer = make_layer("torch")
+    x = inputs(2, 6)
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        layer(x[:, :4], cache=cache)
+        before = cache.get(0)
+        layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
+        after = cache.get(0)
+        assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
+        assert torch.equal(after.conv_state[0], before.conv_state[0])
+        assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_short_conv_packed_matches_batch(with_state: bool) -> None:
+    torch.manual_seed(3)
+    weight, bias = torch.randn(6, 1, 4), torch.randn(6)
+    lengths = [3, 0, 1, 7]
+    seqs = [torch.randn(1, n, 6) for n in lengths]
+    states = torch.randn(4, 6, 3) if with_state else None
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    y, final = causal_depthwise_conv1d(torch.cat(seqs, 1), weight, bias, "silu", states, True, cu)
+    pieces, finals = [], []
+    for i, s in enumerate(seqs):
+        init = None if states is None else states[i : i + 1]
+        yi, fi = causal_depthwise_conv1d(s, weight, bias, "silu", init, True)
+        pieces.append(yi)
+        finals.append(fi)
+    assert torch.allclose(y, torch.cat(pieces, 1), atol=1e-6)
+    assert torch.allclose(final, torch.cat(finals), atol=1e-6)
+    # The batch path against torch's own conv (zero left padding).
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seqs[3].transpose(1, 2), weight, bias, padding=3,
+                                                              groups=6)[..., :7]).transpose(1, 2)
+    assert torch.allclose(causal_depthwise_conv1d(seqs[3], weight, bias)[0], ref, atol=1e-6)
+
+
+def test_bad_inputs_raise() -> None:
+    layer = make_layer()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(inputs(2, 4), cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="attention_mask"):
+        layer(inputs(2, 4), attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(2, 4, HIDDEN + 1))
+
+
+def test_importing_torch_gdr_does_not_import_transformers() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_gdr, torch_gdr.nn, torch_gdr.integrations.transformers; "
+            "sys.exit('transformers' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0

@@ -1,0 +1,208 @@
+"""The PyPTO GDR kernel, run through PyPTO's CPU interpreter, against the float64 recurrence.
+
+Tolerance, elementwise on o and the final state: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_gdr.ops.pypto import is_pypto_available
+
+if not is_pypto_available():
+    pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
+
+from torch_gdr.dispatch import kernel_cache  # noqa: E402
+from torch_gdr.ops.pypto import interpreter  # noqa: E402
+from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd  # noqa: E402
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_inputs(
+    lens: list[int], *, num_qk_heads: int = 1, num_v_heads: int = 1, head_k_dim: int = 64,
+    head_v_dim: int = 64, with_initial_state: bool = False, prenormalised_qk: bool = False, seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
+    """Packed TND inputs with realistic gates: g = logsigmoid(x), beta = sigmoid(x)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(lens)
+    q = torch.randn(num_tokens, num_qk_heads, head_k_dim, generator=gen)
+    k = torch.randn(num_tokens, num_qk_heads, head_k_dim, generator=gen)
+    if prenormalised_qk:  # without the in-kernel norm, unnormalised keys make the state blow up
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(num_tokens, num_v_heads, head_v_dim, generator=gen)
+    g = F.logsigmoid(torch.randn(num_tokens, num_v_heads, generator=gen))
+    beta = torch.sigmoid(torch.randn(num_tokens, num_v_heads, generator=gen))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    initial_state = (
+        0.5 * torch.randn(len(lens), num_v_heads, head_k_dim, head_v_dim, generator=gen)
+        if with_initial_state else None
+    )
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, initial_state=initial_state)
+
+
+def reference_tnd(inputs: dict, *, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token recurrence in float64 on TND inputs: o ``[T, HV, V]``, state ``[N, HV, K, V]``."""
+    q, k, v, g, beta = (inputs[n].double().unsqueeze(0) for n in ("q", "k", "v", "g", "beta"))
+    initial_state = inputs["initial_state"]
+    o, state = naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.double(),
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=inputs["cu_seqlens"].long(),
+    )
+    return o[0], state
+
+
+def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: bool, scale: float | None = None):
+    head_k_dim = inputs["q"].shape[-1]
+    scale = head_k_dim ** -0.5 if scale is None else scale
+    o, final_state = pypto_chunk_gated_delta_rule_fwd(
+        *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, chunk_size=chunk_size,
+    )
+    ref_o, ref_state = reference_tnd(inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    assert o.dtype == torch.float32 and final_state.dtype == torch.float32
+    assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
+    for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
+        err = (got.double() - want).abs()
+        bound = 1e-3 * want.abs() + 1e-4
+        bad = int((err > bound).sum())
+        assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+
+
+@pytest.mark.parametrize(
+    "lens, chunk_size",
+    [([128], 64), ([130], 64)],
+    ids=["aligned_T128_l64", "unaligned_T130_l64"],
+)
+def test_single_sequence(lens: list[int], chunk_size: int) -> None:
+    assert_close_to_reference(make_inputs(lens), chunk_size=chunk_size, use_qk_l2norm=True)
+
+
+def test_packed_uneven_sequences_gva_initial_state() -> None:
+    """Lengths 100, 17 (< l), 0 and 70; H=2, HV=4; nonzero initial state."""
+    inputs = make_inputs([100, 17, 0, 70], num_qk_heads=2, num_v_heads=4, with_initial_state=True)
+    assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True)
+
+
+def test_l2norm_off_head_dim_128_chunk_32() -> None:
+    inputs = make_inputs([70, 33], head_k_dim=128, head_v_dim=128, with_initial_state=True, prenormalised_qk=True)
+    assert_close_to_reference(inputs, chunk_size=32, use_qk_l2norm=False, scale=0.7)
+
+
+def test_chunk_128_head_dim_128_gva() -> None:
+    inputs = make_inputs([150, 40], num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=128)
+    assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
+
+
+def test_mixed_head_dims_bf16_inputs() -> None:
+    """K=64, V=128; bf16 inputs are converted to fp32 around the kernel."""
+    inputs = make_inputs([90], head_k_dim=64, head_v_dim=128, with_initial_state=True)
+    inputs = {n: (t.bfloat16() if n not in ("cu_seqlens", "initial_state") else t) for n, t in inputs.items()}
+    assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True)
+
+
+@pytest.mark.parametrize("gate", [0.0, -30.0], ids=["no_decay", "strong_decay"])
+def test_extreme_gates_stay_finite(gate: float) -> None:
+    """g = 0 (no decay) must not give NaN; g = -30 underflows exp(gamma) and must stay finite."""
+    inputs = make_inputs([70], with_initial_state=True)
+    inputs["g"] = torch.full_like(inputs["g"], gate)
+    assert_close_to_reference(inputs, chunk_size=32, use_qk_l2norm=True)
+
+
+def test_all_sequences_empty_returns_initial_state() -> None:
+    inputs = make_inputs([0, 0], with_initial_state=True)
+    o, final_state = pypto_chunk_gated_delta_rule_fwd(
+        *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
+        scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64,
+    )
+    assert o.shape == (0, 1, 64) and torch.equal(final_state, inputs["initial_state"])
+
+
+def test_cu_seqlens_must_end_at_t() -> None:
+    inputs = make_inputs([40])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        pypto_chunk_gated_delta_rule_fwd(
+            *(inputs[n] for n in ("q", "k", "v", "g", "beta")), torch.tensor([0, 30]), None,
+            scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64,
+        )
+
+
+def test_kernel_built_once_per_key() -> None:
+    kernel_cache.cache_clear()
+    builds: list[dict] = []
+
+    def counting_builder(**config):
+        builds.append(config)
+        from torch_gdr.ops.pypto.kernel import build_gdr_kernel
+
+        return build_gdr_kernel(**config)
+
+    def getter(**config):
+        return kernel_cache.get_gdr_kernel(builder=counting_builder, **config)
+
+    def run(lens: list[int]) -> None:
+        inputs = make_inputs(lens)
+        pypto_chunk_gated_delta_rule_fwd(
+            *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
+            scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=32, kernel_getter=getter,
+        )
+
+    run([40])
+    run([20])  # same key (T is dynamic): reused
+    run([20, 20])  # another N: a new key
+    info = kernel_cache.cache_info()
+    assert len(builds) == 2 and info.misses == 2 and info.hits == 1
+    assert sorted(key.num_seqs for key in info.keys) == [1, 2]
+    kernel_cache.cache_clear()
+    assert kernel_cache.cache_info() == kernel_cache.CacheInfo(0, 0, ())
+
+
+@pytest.mark.parametrize(
+    ("max_seqlen", "requested", "expected"),
+    [(17, 64, 32), (32, 128, 32), (33, 128, 64), (100, 128, 128), (300, 64, 64), (300, 128, 128), (0, 64, 32),
+     (17, 32, 32)],
+)
+def test_pick_chunk_size_takes_the_shortest_chunk_holding_the_longest_sequence(
+        max_seqlen: int, requested: int, expected: int) -> None:
+    assert kernel_cache.pick_chunk_size(max_seqlen, requested) == expected
+
+
+def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:
+    """A fresh process with HOME and cwd in empty temp dirs writes only ~/.cache/torch_gdr."""
+    interpreter.load_calculator()  # the calculator build is shared, not redone
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    calc = interpreter._calculator_dir()
+    seeded = home / ".cache" / "torch_gdr" / "calculator" / calc.name
+    seeded.parent.mkdir(parents=True)
+    seeded.symlink_to(calc, target_is_directory=True)
+    cwd.mkdir()
+    script = textwrap.dedent(
+        """
+        import torch
+        from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd
+        t, d = 40, 64
+        q, k, v = torch.randn(t, 1, d), torch.randn(t, 1, d), torch.randn(t, 1, d)
+        g, beta = torch.full((t, 1), -0.1), torch.full((t, 1), 0.5)
+        o, s = pypto_chunk_gated_delta_rule_fwd(q, k, v, g, beta, torch.tensor([0, t]), None,
+            scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=32)
+        assert o.abs().sum() > 0
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_GDR_", "TILE_FWK", "PYPTO_", "ASCEND_"))}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO_ROOT))
+    subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, check=True, timeout=300)
+    assert list(cwd.iterdir()) == []
+    assert sorted(p.name for p in home.iterdir()) == [".cache"]
+    assert sorted(p.name for p in (home / ".cache").iterdir()) == ["torch_gdr"]
+    leftovers = list((home / ".cache" / "torch_gdr" / "tmp").iterdir())
+    assert leftovers == [], f"temporary dirs not removed: {leftovers}"

@@ -1,0 +1,80 @@
+"""Bad input gets a clear error naming the argument, what it got and what was expected."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+import torch_gdr
+from tests.helpers import make_inputs
+
+
+def _call(**changes) -> None:
+    inputs = make_inputs(batch_size=2, seq_len=10, num_qk_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6,
+                         dtype=torch.float32)
+    inputs.update(changes)
+    torch_gdr.chunk_gated_delta_rule(**inputs)
+
+
+def _varlen(**changes) -> None:
+    inputs = make_inputs(seqlens=[4, 6], dtype=torch.float32)
+    inputs.update(changes)
+    torch_gdr.chunk_gated_delta_rule(**inputs)
+
+
+BAD_INPUTS: dict[str, tuple[Callable[[], None], type, str]] = {
+    # name: (call, exception, pattern that must appear in the message)
+    "q_rank": (lambda: _call(q=torch.randn(10, 8)), ValueError, r"q: expected shape .*got \[10, 8\]"),
+    "k_shape": (lambda: _call(k=torch.randn(2, 10, 2, 7)), ValueError, r"k: expected shape .*\[2, 10, 2, 8\].*got \[2, 10, 2, 7\]"),
+    "v_lead": (lambda: _call(v=torch.randn(2, 9, 4, 6)), ValueError, r"v: expected shape .*got \[2, 9, 4, 6\]"),
+    "hv_not_multiple": (lambda: _call(v=torch.randn(2, 10, 3, 6), g=torch.randn(2, 10, 3), beta=torch.rand(2, 10, 3)),
+                        ValueError, r"HV = 3 .*H = 2"),
+    "g_shape": (lambda: _call(g=torch.randn(2, 10, 2)), ValueError, r"g: expected shape \[B, T, HV\] = \[2, 10, 4\], got \[2, 10, 2\]"),
+    "beta_shape": (lambda: _call(beta=torch.randn(2, 10, 4, 1)), ValueError, r"beta: expected shape .*got \[2, 10, 4, 1\]"),
+    "int_q": (lambda: _call(q=torch.ones(2, 10, 2, 8, dtype=torch.int64)), TypeError, r"q: expected a floating dtype"),
+    "mixed_qkv": (lambda: _call(k=torch.randn(2, 10, 2, 8, dtype=torch.float64)), TypeError, r"q, k, v: expected one dtype"),
+    "not_tensor": (lambda: _call(beta=[0.5]), TypeError, r"beta: expected a torch.Tensor"),
+    "initial_state_shape": (lambda: _call(initial_state=torch.zeros(2, 4, 6, 8)), ValueError,
+                            r"initial_state: expected shape \[N, HV, K, V\] = \[2, 4, 8, 6\], got \[2, 4, 6, 8\]"),
+    "initial_state_count": (lambda: _varlen(initial_state=torch.zeros(1, 2, 16, 16)), ValueError,
+                            r"initial_state: .*\[2, 2, 16, 16\], got \[1, 2, 16, 16\]"),
+    "chunk_size": (lambda: _call(chunk_size=48), ValueError, r"chunk_size: expected one of \[16, 32, 64, 128\], got 48"),
+    "backend": (lambda: _call(backend="cuda-magic"), ValueError, r"backend: expected one of .*got 'cuda-magic'"),
+    "device": (lambda: _call(initial_state=torch.zeros(2, 4, 8, 6, device="meta")), ValueError,
+               r"initial_state: expected a tensor on cpu"),
+    "cu_batch": (lambda: _call(cu_seqlens=torch.tensor([0, 10])), ValueError, r"cu_seqlens: requires batch size B = 1"),
+    "cu_float": (lambda: _varlen(cu_seqlens=torch.tensor([0.0, 4.0, 10.0])), TypeError, r"cu_seqlens: expected dtype int32 or int64"),
+    "cu_2d": (lambda: _varlen(cu_seqlens=torch.tensor([[0, 4, 10]])), ValueError, r"cu_seqlens: expected shape \[N \+ 1\]"),
+    "cu_start": (lambda: _varlen(cu_seqlens=torch.tensor([1, 4, 10])), ValueError, r"cu_seqlens: expected the first offset to be 0, got 1"),
+    "cu_decreasing": (lambda: _varlen(cu_seqlens=torch.tensor([0, 6, 4, 10])), ValueError,
+                      r"cu_seqlens: expected non-decreasing offsets, got 6 followed by 4"),
+    "cu_short_end": (lambda: _varlen(cu_seqlens=torch.tensor([0, 4, 8])), ValueError,
+                     r"cu_seqlens: expected the last offset to equal the number of tokens T = 10, got 8"),
+    "cu_past_end": (lambda: _varlen(cu_seqlens=torch.tensor([0, 4, 12])), ValueError, r"T = 10, got 12"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "recurrent"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error(case: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    call, error, pattern = BAD_INPUTS[case]
+    if case != "backend":
+        monkeypatch.setenv("TORCH_GDR_BACKEND", backend)
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_the_op_checks_values_when_called_directly() -> None:
+    inputs = make_inputs(seqlens=[4, 6], dtype=torch.float32)
+    with pytest.raises(ValueError, match="cu_seqlens: expected the last offset"):
+        torch.ops.gdr.chunked_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                                               cu_seqlens=torch.tensor([0, 4, 9]))
+
+
+def test_nan_in_gives_nan_out_without_crashing() -> None:
+    inputs = make_inputs(seq_len=20, dtype=torch.float32)
+    inputs["v"][0, 3, 0, 0] = float("nan")
+    o, _ = torch_gdr.chunk_gated_delta_rule(**inputs)
+    assert torch.isnan(o).any() and o.shape == inputs["v"].shape

@@ -1,0 +1,210 @@
+"""Gated DeltaNet token mixer (the linear-attention layer of Qwen3-Next) on torch_gdr's op."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_gdr import functional as _functional
+from torch_gdr.nn.cache import GatedDeltaNetCache
+from torch_gdr.nn.norm import GatedRMSNorm
+from torch_gdr.nn.short_conv import ShortConvolution
+
+DECODE_CHUNK_SIZE = 16
+"""Chunk size of single-token decode steps: the smallest the op takes, so a step pads least."""
+
+
+class GatedDeltaNet(nn.Module):
+    r"""The Gated DeltaNet token mixer: projections, short conv, gated delta rule, gated norm.
+
+    Per token, with ``H`` query/key heads of size ``dk`` and ``HV`` value heads of size ``dv``
+    (``HV % H == 0``; value head ``h`` reads q/k head ``h // (HV // H)``)::
+
+        q, k, v, z = in_proj_qkvz(x)       b, a = in_proj_ba(x)
+        q, k, v    = silu(causal_depthwise_conv1d([q, k, v]))
+        g          = -exp(A_log) * softplus(a + dt_bias)        beta = sigmoid(b)
+        o          = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        y          = out_proj(GatedRMSNorm(o, gate=z))
+
+    **Weights of transformers' ``Qwen3NextGatedDeltaNet`` load by name**
+    (``layer.load_state_dict(hf_layer.state_dict())``; build the layer with
+    :meth:`from_config` on the model's config). The mapping, name for name:
+
+    ==================== ================================ ====================================
+    parameter            shape                            meaning
+    ==================== ================================ ====================================
+    ``in_proj_qkvz``     ``[2*H*dk + 2*HV*dv, hidden]``   per q/k head group ``[q dk | k dk |
+                                                          v r*dv | z r*dv]``, ``r = HV // H``
+    ``in_proj_ba``       ``[2*HV, hidden]``               per q/k head group ``[b r | a r]``
+    ``conv1d.weight``    ``[2*H*dk + HV*dv, 1, K]``       channels ``[q (H*dk) | k | v (HV*dv)]``
+    ``dt_bias``          ``[HV]``                         added to ``a`` before the softplus
+    ``A_log``            ``[HV]``                         ``log`` of the decay rate ``A > 0``
+    ``norm.weight``      ``[dv]``                         gated RMSNorm scale, shared by heads
+    ``out_proj``         ``[hidden, HV*dv]``              output projection
+    ==================== ================================ ====================================
+
+    Config fields (``from_config``): ``hidden_size``, ``linear_num_key_heads`` (H),
+    ``linear_num_value_heads`` (HV), ``linear_key_head_dim`` (dk), ``linear_value_head_dim``
+    (dv), ``linear_conv_kernel_dim`` (K), ``rms_norm_eps``. Initialisation follows the
+    Qwen3-Next module: default ``nn.Linear``/``nn.Conv1d`` init, ``dt_bias = 1``,
+    ``A = U(0.01, 16)``, norm weight 1.
+
+    Args:
+        hidden_size: model width.
+        num_heads: H, query/key heads.
+        num_v_heads: HV, value heads (H when None).
+        head_k_dim: dk.
+        head_v_dim: dv.
+        conv_kernel_size: K of the short conv.
+        norm_eps: eps of the gated RMSNorm.
+        layer_idx: this layer's key in a :class:`GatedDeltaNetCache`.
+        chunk_size: chunk size of the op for multi-token calls.
+        backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
+        decode_backend: backend of single-token decode steps (``backend`` when None). On
+            CPUs ``"recurrent"`` steps are about twice as fast as the chunked op, which pads
+            the token to a 16-token chunk.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,
+                 head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0, *,
+                 chunk_size: int = 64, backend: Optional[str] = None, decode_backend: Optional[str] = None,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if num_heads <= 0 or num_v_heads % num_heads != 0:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_heads ({num_heads})")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size = hidden_size
+        self.num_k_heads = num_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.layer_idx = layer_idx
+        self.chunk_size = chunk_size
+        self.backend = backend
+        self.decode_backend = decode_backend
+
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **factory)
+        self.conv1d = ShortConvolution(self.conv_dim, conv_kernel_size, bias=False, activation="silu", **factory)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **factory))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, **factory).uniform_(0.01, 16).log_())
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **factory)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
+
+    @classmethod
+    def from_config(cls, config: Any, layer_idx: int = 0, **kwargs: Any) -> "GatedDeltaNet":
+        """Build the layer from a Qwen3-Next-style config (any object with the fields listed in
+        the class docstring, e.g. ``transformers.Qwen3NextConfig``); ``kwargs`` go to ``__init__``."""
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=config.linear_num_key_heads,
+            num_v_heads=config.linear_num_value_heads,
+            head_k_dim=config.linear_key_head_dim,
+            head_v_dim=config.linear_value_head_dim,
+            conv_kernel_size=config.linear_conv_kernel_dim,
+            norm_eps=config.rms_norm_eps,
+            layer_idx=layer_idx,
+            **kwargs,
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, T, hidden]`` -> conv input ``[B, T, conv_dim]`` (q | k | v), z ``[B, T, HV, dv]``,
+        b, a ``[B, T, HV]``, undoing the per-head-group interleaving of the fused projections."""
+        batch, seq_len = x.shape[:2]
+        ratio = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).unflatten(-1, (self.num_k_heads, -1))
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim,
+                                 ratio * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split([ratio, ratio], dim=-1)
+        mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
+        z = z.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        return mixed, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[GatedDeltaNetCache] = None) -> torch.Tensor:
+        """Mix tokens.
+
+        Args:
+            hidden_states: ``[B, T, hidden]``, or ``[1, T, hidden]`` packed sequences with
+                ``cu_seqlens``; float32, float16, bfloat16 or float64 (the parameters' dtype).
+            attention_mask: ``[B, T]`` padding mask, 1 (or True) for real tokens and 0 for
+                padding, or None. Padded tokens are zeroed before the projections and leave
+                the recurrent state untouched (no decay, no write), so with left padding (as
+                in generation) every real token's output and the cached state equal those of
+                the unpadded sequence. Outputs at padded positions are not meaningful.
+            cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
+                neither the conv nor the recurrence crosses a boundary.
+            cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
+                (``layer_idx``) when there is one, else from zeros, and stores its states
+                after the call: N = B (or the number of packed sequences) sequences.
+                A call with T = 1 on a filled cache is a decode step.
+
+        Returns:
+            ``[B, T, hidden]``, dtype of hidden_states.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
+        batch, seq_len = hidden_states.shape[:2]
+        if cu_seqlens is not None and batch != 1:
+            raise ValueError(f"cu_seqlens: requires hidden_states of shape [1, T, hidden], got {list(hidden_states.shape)}")
+        mask = None
+        if attention_mask is not None:
+            if list(attention_mask.shape) != [batch, seq_len]:
+                raise ValueError(f"attention_mask: expected shape [B, T] = {[batch, seq_len]}, "
+                                 f"got {list(attention_mask.shape)}")
+            mask = attention_mask.to(hidden_states.dtype)
+            hidden_states = hidden_states * mask[..., None]
+
+        previous = cache.get(self.layer_idx) if cache is not None else None
+        mixed, z, b, a = self._project(hidden_states)
+        mixed, conv_state = self.conv1d(mixed, initial_state=None if previous is None else previous.conv_state,
+                                        output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+
+        beta = b.sigmoid()
+        # The decay in float32 at least: a half-precision exp(A_log) may overflow.
+        g_dtype = torch.promote_types(a.dtype, torch.float32)
+        g = -self.A_log.to(g_dtype).exp() * F.softplus(a.to(g_dtype) + self.dt_bias.to(g_dtype))
+        if mask is not None:
+            beta = beta * mask[..., None].to(beta.dtype)
+            g = g * mask[..., None].to(g_dtype)
+
+        is_step = previous is not None and seq_len == 1 and cu_seqlens is None
+        backend = (self.decode_backend or self.backend) if is_step else self.backend
+        o, recurrent_state = _functional.chunk_gated_delta_rule(
+            q, k, v, g, beta,
+            initial_state=None if previous is None else previous.recurrent_state,
+            output_final_state=cache is not None,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+            chunk_size=DECODE_CHUNK_SIZE if is_step else self.chunk_size,
+            backend=backend,
+        )
+
+        if cache is not None:
+            assert conv_state is not None and recurrent_state is not None
+            if mask is not None and seq_len == 1 and previous is not None:
+                # A padded decode token must not shift the conv window either.
+                keep = mask[:, 0, None, None] > 0
+                conv_state = torch.where(keep, conv_state, previous.conv_state)
+            cache.update(self.layer_idx, conv_state, recurrent_state, seq_len)
+
+        o = self.norm(o, z)
+        return self.out_proj(o.flatten(-2))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
+                f"conv_kernel_size={self.conv_kernel_size}, layer_idx={self.layer_idx}, backend={self.backend}")

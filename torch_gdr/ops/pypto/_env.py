@@ -1,0 +1,171 @@
+"""Import PyPTO lazily and keep every file it writes out of the user's directories.
+
+PyPTO 0.2.0 writes, on each compile, ``./output/output_<ts>_<pid>_<ip>/``
+(``TILE_FWK_OUTPUT_DIR``), ``~/.pypto/run/rundata_<ts>/`` (``PYPTO_HOME``) and
+``~/ascend/log/...`` (``ASCEND_PROCESS_LOG_PATH``). :func:`import_pypto` points all three
+into torch_gdr's cache directory *before* the first ``import pypto``, so nothing lands in the
+working directory or in ``~/.pypto`` / ``~/ascend``. Per-call outputs (compile folders,
+verify dumps) are further confined to temporary directories by :func:`scratch_dir`.
+
+The CPU interpreter patches private internals of PyPTO 0.2.0; :func:`import_pypto` checks
+the version and that those internals still exist, and fails loudly otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+#: The only PyPTO release whose private internals :mod:`.interpreter` knows.
+SUPPORTED_PYPTO_VERSION = "0.2.0"
+
+#: Environment variable that overrides the cache directory.
+CACHE_DIR_ENV = "TORCH_GDR_CACHE_DIR"
+
+_INSTALL_HINT = (
+    "The PyPTO backend of torch_gdr needs pypto=={v}: pip install 'torch_gdr[npu]' "
+    "(or pip install pypto=={v})."
+).format(v=SUPPORTED_PYPTO_VERSION)
+
+#: (module, attribute) pairs of PyPTO private internals the interpreter relies on.
+_REQUIRED_INTERNALS: tuple[tuple[str, str], ...] = (
+    ("pypto.frontend.parser.entry", "JitCallableWrapper"),
+    ("pypto.runtime", "_pto_verify_datas"),
+    ("pypto._utils", "BuildOnlineManager"),
+    ("pypto", "pypto_impl"),
+)
+_REQUIRED_METHODS: tuple[str, ...] = ("_setup_verify_data", "_run_with_cpu", "_execute_kernel")
+_REQUIRED_IMPL: tuple[str, ...] = ("SetVerifyData", "DeviceTensorData")
+
+_pypto: ModuleType | None = None
+
+
+class PyptoUnavailableError(ImportError):
+    """PyPTO is missing, of the wrong version, or its internals moved."""
+
+
+def cache_dir() -> Path:
+    """Root of torch_gdr's cache: ``$TORCH_GDR_CACHE_DIR`` or ``~/.cache/torch_gdr``."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "torch_gdr")
+    return Path(root)
+
+
+def _redirect_side_effects() -> None:
+    """Point PyPTO's output, home and log directories into the cache (read by its C++ side)."""
+    root = cache_dir() / "pypto"
+    targets = {
+        "TILE_FWK_OUTPUT_DIR": root / "output",
+        "PYPTO_HOME": root / "home",
+        "ASCEND_PROCESS_LOG_PATH": root / "log",
+    }
+    for var, path in targets.items():
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(path)
+    _prune_run_records(targets["PYPTO_HOME"] / "run")
+
+
+#: How many of PyPTO's per-import ``rundata_<ts>`` records to keep in the cache.
+_KEEP_RUN_RECORDS = 8
+
+
+def _prune_run_records(run_dir: Path) -> None:
+    """PyPTO writes a ``rundata_<ts>`` folder at every import; keep only the newest few."""
+    if not run_dir.is_dir():
+        return
+    records = sorted(p for p in run_dir.iterdir() if p.name.startswith("rundata_"))
+    for old in records[:-_KEEP_RUN_RECORDS]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_internals(pypto: ModuleType) -> None:
+    try:
+        version: str | None = importlib.metadata.version("pypto")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(pypto, "__version__", None)
+    if version != SUPPORTED_PYPTO_VERSION:
+        raise PyptoUnavailableError(
+            f"torch_gdr's PyPTO backend is pinned to pypto=={SUPPORTED_PYPTO_VERSION}, found {version!r}. "
+            + _INSTALL_HINT
+        )
+    missing: list[str] = []
+    for mod_name, attr in _REQUIRED_INTERNALS:
+        mod = importlib.import_module(mod_name)
+        if not hasattr(mod, attr):
+            missing.append(f"{mod_name}.{attr}")
+    from pypto.frontend.parser.entry import JitCallableWrapper
+
+    probe = JitCallableWrapper.__dict__
+    missing += [f"JitCallableWrapper.{m}" for m in _REQUIRED_METHODS if m not in probe]
+    missing += [f"pypto_impl.{n}" for n in _REQUIRED_IMPL if not hasattr(pypto.pypto_impl, n)]
+    if missing:
+        raise PyptoUnavailableError(
+            "PyPTO internals that torch_gdr's CPU interpreter patches have moved: "
+            + ", ".join(missing)
+            + f". Install pypto=={SUPPORTED_PYPTO_VERSION}."
+        )
+
+
+def import_pypto() -> ModuleType:
+    """Return the ``pypto`` module, importing it on first use with side effects redirected.
+
+    pypto records each import under ``PYPTO_HOME``; if the application imported pypto
+    before torch_gdr, that one record went to pypto's default place. Per-call output is
+    redirected regardless.
+
+    Raises:
+        PyptoUnavailableError: pypto is not installed, is not 0.2.0, or lacks the internals
+            the CPU interpreter patches.
+    """
+    global _pypto
+    if _pypto is not None:
+        return _pypto
+    _redirect_side_effects()
+    try:
+        pypto = importlib.import_module("pypto")
+    except ImportError as exc:  # not installed, or a broken install
+        raise PyptoUnavailableError(f"pypto is not importable ({exc}). " + _INSTALL_HINT) from exc
+    _check_internals(pypto)
+    _pypto = pypto
+    return pypto
+
+
+def is_pypto_available() -> bool:
+    """True when :func:`import_pypto` succeeds."""
+    try:
+        import_pypto()
+    except PyptoUnavailableError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str = "torch_gdr_") -> Iterator[Path]:
+    """A temporary directory under the cache, removed on exit (even on error)."""
+    base = cache_dir() / "tmp"
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redirected_output(path: Path) -> Iterator[None]:
+    """Send PyPTO's per-compile ``output_<ts>_...`` folder into ``path`` for the block."""
+    old = os.environ.get("TILE_FWK_OUTPUT_DIR")
+    os.environ["TILE_FWK_OUTPUT_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TILE_FWK_OUTPUT_DIR", None)
+        else:
+            os.environ["TILE_FWK_OUTPUT_DIR"] = old

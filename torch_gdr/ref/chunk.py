@@ -15,9 +15,10 @@ those chunks at once, chunk-major ``[G, N * HV, C, D]``, see
 :mod:`torch_gdr.ref.chunk_layout`): temporaries stay O(segment) whatever T is, and every
 parallel step is one batched matmul over the ``G * N * HV`` chunk matrices of the
 segment. Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that
-``Q K^T`` and ``K K^T`` are one matmul, ``U | W`` are one matmul against ``T``, and
-``(I + A)^-1`` is a blocked inverse (:mod:`torch_gdr.ref.triangular`). Only the state
-recurrence loops over chunks, writing into preallocated buffers (no per-chunk copies).
+``Q K^T`` and ``K K^T`` are one matmul, and ``(I + A)^-1`` is a blocked inverse
+(:mod:`torch_gdr.ref.triangular`). Only the state recurrence loops over chunks, writing
+into preallocated buffers (no per-chunk copies); the large temporaries of a segment live
+in a :class:`Workspace` reused by every segment of the call.
 """
 
 from __future__ import annotations

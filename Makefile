@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test test-slow bench bench-compare clean
+.PHONY: run test test-slow bench bench-baseline bench-compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,25 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# Benchmarks (pytest-benchmark, bench/): `make bench` runs and saves a numbered run under
+# .benchmarks/; `make bench-baseline` saves a run as the baseline; `make bench-compare` fails
+# when any benchmark's mean is more than BENCH_FAIL slower than the baseline. On a shared
+# machine, BENCH_ENV=OMP_WAIT_POLICY=PASSIVE keeps OpenMP threads from spinning.
+BENCH_ENV ?=
+BENCH_FLAGS ?= --benchmark-only --benchmark-storage=.benchmarks \
+	--benchmark-columns=min,median,iqr,rounds --benchmark-sort=name
+BENCH_FAIL ?= mean:25%
+
+bench: $(VENV)/.installed
+	$(BENCH_ENV) $(PY) -m pytest bench $(BENCH_FLAGS) --benchmark-autosave
+
+bench-baseline: $(VENV)/.installed
+	$(BENCH_ENV) $(PY) -m pytest bench $(BENCH_FLAGS) --benchmark-save=baseline
+
+bench-compare: $(VENV)/.installed
+	$(BENCH_ENV) $(PY) -m pytest bench $(BENCH_FLAGS) --benchmark-compare='*_baseline' \
+		--benchmark-compare-fail=$(BENCH_FAIL)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

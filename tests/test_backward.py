@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_gdr
+from tests.helpers import TEST_DEVICE
 from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
@@ -73,7 +74,8 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
         tensors["g"], tensors["beta"] = tensors["g"].float(), tensors["beta"].float()
         if h0 is not None:
             tensors["initial_state"] = h0.float()
-    return dict(tensors=tensors, do=do, dht=dht)
+    tensors = {n: (x.to(TEST_DEVICE) if x is not None else None) for n, x in tensors.items()}
+    return dict(tensors=tensors, do=do.to(TEST_DEVICE), dht=None if dht is None else dht.to(TEST_DEVICE))
 
 
 def _loss_grads(fn, case: Case, tensors: dict, do: torch.Tensor, dht: Optional[torch.Tensor]) -> dict:

@@ -26,8 +26,18 @@ from torch_gdr.ref.utils import compute_dtype_for
 Tensor = torch.Tensor
 
 # Matrices per batched matmul a segment aims at: large enough for efficient bmm, small
-# enough that a segment's temporaries stay a few MiB.
+# enough that a segment's temporaries stay a few MiB (in cache) on a CPU.
 SEGMENT_MATRICES = 24
+# On accelerators the bound is memory, not cache, and every segment costs dozens of kernel
+# launches: a segment of this many matrices keeps temporaries at a few hundred MiB at
+# C = 64, D = 128 (measured on an H200: 24 matrices a segment spent ~2 ms a chunk in
+# launches at 32 heads).
+ACCELERATOR_SEGMENT_MATRICES = 2048
+
+
+def default_segment_matrices(device: torch.device) -> int:
+    """Matrices per segment for ``device``: cache-sized on CPUs, memory-sized elsewhere."""
+    return SEGMENT_MATRICES if device.type == "cpu" else ACCELERATOR_SEGMENT_MATRICES
 
 
 class ChunkLayout:
@@ -37,11 +47,12 @@ class ChunkLayout:
         v: the values ``[B, T, HV, V]`` (shape, device and dtype are read).
         cu_seqlens: ``[N + 1]`` int64 offsets on v's device, or None.
         chunk_size: C.
-        segment_matrices: the number of (chunk, sequence, head) matrices a segment aims at.
+        segment_matrices: the number of (chunk, sequence, head) matrices a segment aims at;
+            :func:`default_segment_matrices` of v's device when None.
     """
 
     def __init__(self, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
-                 segment_matrices: int = SEGMENT_MATRICES) -> None:
+                 segment_matrices: Optional[int] = None) -> None:
         self.batch_size, self.seq_len, self.num_v_heads = v.shape[:3]
         self.chunk_size = chunk_size
         self.dtype = compute_dtype_for(v.dtype)
@@ -63,6 +74,8 @@ class ChunkLayout:
             self.valid = positions[None, :] < lengths[:, None]  # [N, NC * C], sorted order
             self.token_index = torch.where(self.valid, starts[:, None] + positions[None, :], 0)
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
+        if segment_matrices is None:
+            segment_matrices = default_segment_matrices(self.device)
         self.segment = max(1, segment_matrices // max(1, self.num_matrices))
 
     def active(self, c0: int) -> int:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import torch_gdr
+from _common import hf_fallback  # bench/ is on sys.path when run as a script
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 # (B, T, H, HV, K = V)
@@ -79,15 +80,6 @@ def check_correctness(device: str) -> list[str]:
         lines.append(f"{str(dtype):<15} worst rel err {worst:.2e} (bound {bound:.0e}) "
                      f"{'OK' if worst < bound else 'FAIL'}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     return lines
-
-
-def hf_fallback() -> Optional[Callable]:
-    try:
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-    fn = m.torch_chunk_gated_delta_rule
-    return getattr(fn, "__wrapped__", fn)
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 2, repeats: int = 7) -> float:

@@ -1,12 +1,21 @@
 """Test-wide settings: no files left in the working directory, reproducible CI runs."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
-# No example database (it would live in ./.hypothesis). Local runs draw new examples each
-# time, to keep finding cases; CI (CI=true) draws the same ones every run, so a red CI
-# always reproduces.
+# Hypothesis keeps caches (and by default an example database) in ./.hypothesis: send them
+# to a temporary directory removed at exit.
+_hypothesis_home = tempfile.mkdtemp(prefix="torch_gdr-hypothesis-")
+set_hypothesis_home_dir(_hypothesis_home)
+atexit.register(shutil.rmtree, _hypothesis_home, ignore_errors=True)
+
+# No example database. Local runs draw new examples each time, to keep finding cases; CI
+# (CI=true) draws the same ones every run, so a red CI always reproduces.
 settings.register_profile("torch_gdr", database=None)
 settings.register_profile("torch_gdr_ci", database=None, derandomize=True)
 settings.load_profile("torch_gdr_ci" if os.environ.get("CI") else "torch_gdr")

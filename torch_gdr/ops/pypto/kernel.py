@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from torch_gdr.ref.utils import L2NORM_EPS  # the in-kernel l2 norm's epsilon, as in the reference
+
 from ._env import import_pypto
 
 #: Head dims the kernel is written and tested for.
@@ -66,8 +68,6 @@ BASE_BLOCK = 16
 #: independent (sequence, head) chains overlap. Larger stitches need more device workspace;
 #: this setting has not run on hardware.
 DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
-#: Epsilon of the in-kernel l2 norm, as in the reference.
-L2NORM_EPS = 1e-6
 
 # Indices into the chunk_masks tensor.
 MASK_LOWER = 0  # r >= s

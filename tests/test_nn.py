@@ -237,3 +237,16 @@ def test_importing_torch_gdr_does_not_import_transformers() -> None:
             "sys.exit('transformers' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_layer_on_the_pypto_backend_prefills_and_decodes() -> None:
+    """The layer on the PyPTO kernel (the interpreter on the CPU): prefill, then decode steps
+    with a chunk size the kernel has, equal to the pure-torch layer."""
+    pytest.importorskip("pypto", reason="pypto==0.2.0 (the npu extra) is not installed")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(HIDDEN, num_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, backend="pypto")
+    x = inputs(1, 40)
+    got = decode(layer, x, prompt_len=38)
+    layer.backend = "torch"
+    want = decode(layer, x, prompt_len=38)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)

@@ -22,8 +22,9 @@ from typing import Callable, Optional
 import torch
 
 from torch_gdr._layout import run_in_canonical_layout
+from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.device import is_npu_device
-from torch_gdr.dispatch.pypto_backend import pypto_backend
+from torch_gdr.dispatch.pypto_backend import KERNEL_CHUNK_SIZES, pypto_backend
 from torch_gdr.ops.registration import _check_real
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -83,3 +84,9 @@ def select_backend(backend: Optional[str], device: torch.device) -> BackendFn:
     if name == "pypto" and not named:
         return functools.partial(pypto_backend, explicit=False)
     return BACKENDS[name]
+
+
+def smallest_chunk_size(backend: Optional[str], device: torch.device) -> int:
+    """The smallest chunk size the backend serving a call on ``device`` takes: what a
+    single-token decode step should ask for, since it pads least."""
+    return KERNEL_CHUNK_SIZES[0] if resolve_backend(backend, device) == "pypto" else CHUNK_SIZES[0]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_gdr import functional as _functional
-from torch_gdr.nn.gated_deltanet import DECODE_CHUNK_SIZE
+from torch_gdr.dispatch.backends import smallest_chunk_size
 
 __all__ = ["use_torch_gdr", "remove_torch_gdr", "is_patched"]
 
@@ -76,7 +76,7 @@ def _make_kernels(backend: Optional[str], default_chunk_size: int) -> tuple[Call
                                              **ignored: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Decode steps (usually one token): the op with the smallest chunk."""
         return call(query, key, value, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    cu_seqlens, DECODE_CHUNK_SIZE)
+                    cu_seqlens, smallest_chunk_size(backend, query.device))
 
     return torch_gdr_chunk_gated_delta_rule, torch_gdr_recurrent_gated_delta_rule
 

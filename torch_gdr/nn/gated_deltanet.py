@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_gdr import functional as _functional
+from torch_gdr.dispatch.backends import smallest_chunk_size
 from torch_gdr.nn.cache import GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
 
-DECODE_CHUNK_SIZE = 16
-"""Chunk size of single-token decode steps: the smallest the op takes, so a step pads least."""
 
 
 class GatedDeltaNet(nn.Module):
@@ -189,7 +188,7 @@ class GatedDeltaNet(nn.Module):
             output_final_state=cache is not None,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
-            chunk_size=DECODE_CHUNK_SIZE if is_step else self.chunk_size,
+            chunk_size=smallest_chunk_size(backend, hidden_states.device) if is_step else self.chunk_size,
             backend=backend,
         )
 

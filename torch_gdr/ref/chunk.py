@@ -50,11 +50,23 @@ def bmm(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return out
 
 
+_UPPER_MASKS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _upper_mask(c: int, device: torch.device) -> Tensor:
+    """The strictly upper ``[C, C]`` bool mask, built once per size and device."""
+    mask = _UPPER_MASKS.get((c, device))
+    if mask is None:
+        mask = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+        _UPPER_MASKS[(c, device)] = mask
+    return mask
+
+
 def pairwise_decay(gamma: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """``Gamma [.., C, C]``: ``exp(gamma_r - gamma_s)`` on and below the diagonal, 0 above
     (masked before the exp, so that large positive differences cannot overflow)."""
     c = gamma.shape[-1]
-    upper = torch.ones(c, c, dtype=torch.bool, device=gamma.device).triu(1)
+    upper = _upper_mask(c, gamma.device)
     diff = torch.sub(gamma[..., :, None], gamma[..., None, :], out=out)
     return diff.masked_fill_(upper, float("-inf")).exp_()
 
@@ -73,7 +85,7 @@ class Segment:
     gamma: Tensor  # [G, NH, C]: cumsum of g within the chunk
     gamma_exp: Tensor  # exp(gamma)
     decay: Tensor  # [G, NH, C, C]: Gamma
-    sim: Tensor  # [G, NH, 2C, C]: rows :C P = scale (y_q K^T) * Gamma, rows C: G = strictly_lower(K K^T * Gamma)
+    sim: Tensor  # [G, NH, 2C, C]: rows :C P = scale (y_q K^T) * Gamma (without scale if not scale_attn), rows C: G = strictly_lower(K K^T * Gamma)
     inverse: Tensor  # [G, NH, C, C]: T = (I + diag(beta) G)^-1
     u: Tensor  # [G, NH, C, V]: U (the scan turns it into V' in place)
     w: Tensor  # [G, NH, C, K]: W
@@ -136,13 +148,26 @@ class Workspace:
             self.buffers[name] = buf
         return buf[:need].view(shape)
 
+    def unit_lower(self, name: str, num: int, c: int) -> Tensor:
+        """Like ``self(name, num, c, c)``, for :func:`unit_lower_inverse` outputs only: every
+        ``C x C`` slot of the buffer holds ones on its diagonal and zeros above it (set once
+        when the buffer is allocated; the inverse writes only strictly lower entries)."""
+        buf = self.buffers.get(name)
+        out = self(name, num, c, c)
+        if self.buffers[name] is not buf:
+            flat = self.buffers[name].view(-1, c, c)
+            flat.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
+        return out
+
 
 def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  use_qk_l2norm_in_kernel: bool, c0: int, c1: int, ws: Workspace,
-                 states_only: bool = False) -> Segment:
+                 states_only: bool = False, scale_attn: bool = True) -> Segment:
     """Gather chunks ``[c0, c1)`` of the call and compute their parallel part (in buffers of
     ``ws``, valid until the next segment). With ``states_only`` the query side (rows ``:C``
-    of ``qk`` and ``sim``) is left unset: enough for :func:`state_scan`, not for outputs."""
+    of ``qk`` and ``sim``) is left unset: enough for :func:`state_scan`, not for outputs.
+    Without ``scale_attn`` the attention rows hold ``(y_q K^T) * Gamma`` without the
+    ``scale`` (the caller applies it, e.g. as a matmul's alpha)."""
     num, c = c1 - c0, layout.chunk_size
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
     ws.activate(c0)
@@ -162,12 +187,18 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
 
     sim = ws("sim", num, 2 * c, c)
     bmm(qk[:, :, rows], key.mT, out=sim[:, :, rows])  # [Q; K] K^T
-    if not states_only:
-        sim[:, :, :c].mul_(decay).mul_(scale)
-    gram = sim[:, :, c:].mul_(decay)  # Gamma is 0 above the diagonal: zeroing the diagonal is enough
+    if states_only:
+        sim[:, :, c:].mul_(decay)
+    else:  # both halves by Gamma in one pass
+        sim.unflatten(2, (2, c)).mul_(decay.unsqueeze(2))
+        if scale_attn:
+            sim[:, :, :c].mul_(scale)
+    gram = sim[:, :, c:]  # Gamma is 0 above the diagonal: zeroing the diagonal is enough
     gram.diagonal(dim1=-2, dim2=-1).zero_()
     scratch = ws("scratch_cc", num, c, c)
-    inverse = unit_lower_inverse(torch.mul(gram, beta_c[..., :, None], out=scratch), out=ws("inverse", num, c, c))
+    neg_beta = torch.neg(beta_c, out=ws("neg_beta", num, c))
+    inverse = unit_lower_inverse(torch.mul(gram, neg_beta[..., :, None], out=scratch),
+                                 out=ws.unit_lower("inverse", num, c), negated=True, out_is_unit=True)
 
     v_c = layout.load(v, c0, c1, out=ws("v", num, c, head_v_dim))
     # Separate contiguous U and W: the scan's in-place matmuls on a strided view would fall
@@ -222,13 +253,13 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     ws = Workspace(layout)
     for c0, c1 in layout.segments():
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, scale_attn=False)
         num, nh = c1 - c0, ws.nh
         state_scan(seg, states[: num + 1, :nh])
         q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
                               out=ws("q_decayed", num, *seg.query.shape[2:]))
         out = bmm(q_decayed, states[:num, :nh], out=ws("o", num, seg.query.shape[2], head_v_dim))
-        batched(out).baddbmm_(batched(seg.attn), batched(seg.u))
+        batched(out).baddbmm_(batched(seg.attn), batched(seg.u), alpha=scale)  # attn is unscaled
         layout.store(o, out, c0, c1)
         states[0, :nh].copy_(states[num, :nh])
     return o, layout.unsort_states(states[0].view(final_shape)).clone()

@@ -26,25 +26,40 @@ def _diagonal_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.diagonal(grid, dim1=1, dim2=4).movedim(-1, 1)
 
 
-def unit_lower_inverse(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def unit_lower_inverse(a: torch.Tensor, out: torch.Tensor | None = None, *, negated: bool = False,
+                       out_is_unit: bool = False) -> torch.Tensor:
     """``(I + a)^-1`` for ``a [..., C, C]`` strictly lower triangular (entries on and above
     the diagonal are ignored), ``C`` a power of two. Returns a contiguous tensor (``out``
-    when given, contiguous and of a's shape), unit lower triangular, zeros above the diagonal."""
+    when given, contiguous and of a's shape), unit lower triangular, zeros above the diagonal.
+
+    ``negated``: ``a`` holds ``-A`` (the result is ``(I - a)^-1``); the merges then need no
+    negation pass. ``out_is_unit``: ``out`` already holds ones on its diagonal and zeros
+    above it (e.g. a buffer reused from an earlier call: the merges write every strictly
+    lower entry and nothing else), so it is not re-initialised."""
     *batch, c, c2 = a.shape
     if c != c2 or c & (c - 1):
         raise ValueError(f"unit_lower_inverse: expected square blocks with a power-of-two size, got {c}x{c2}")
     a3 = a.reshape(-1, c, c)
-    inv = torch.zeros_like(a3) if out is None else out.view(-1, c, c).zero_()
-    inv.diagonal(dim1=-2, dim2=-1).fill_(1)
+    if out is None:
+        inv = torch.zeros_like(a3)
+        out_is_unit = False
+    else:
+        inv = out.view(-1, c, c)
+    if not out_is_unit:
+        inv.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
     if c > 1:
         # Level 1: blocks of size 1 are 1, so T21 = -A21 for the pairs (2p+1, 2p).
-        _diagonal_blocks(inv, 1)[:, :, 1, :, 0, :].copy_(_diagonal_blocks(a3, 1)[:, :, 1, :, 0, :]).neg_()
+        t21 = _diagonal_blocks(inv, 1)[:, :, 1, :, 0, :].copy_(_diagonal_blocks(a3, 1)[:, :, 1, :, 0, :])
+        if not negated:
+            t21.neg_()
     block = 2
     while block < c:
         t_blocks = _diagonal_blocks(inv, block)
         a21 = _diagonal_blocks(a3, block)[:, :, 1, :, 0, :]
         t11, t22 = t_blocks[:, :, 0, :, 0, :], t_blocks[:, :, 1, :, 1, :]
         t21 = torch.matmul(torch.matmul(t22, a21), t11)
-        t_blocks[:, :, 1, :, 0, :].copy_(t21).neg_()
+        t_blocks[:, :, 1, :, 0, :].copy_(t21)
+        if not negated:
+            t_blocks[:, :, 1, :, 0, :].neg_()
         block *= 2
     return inv.view(*batch, c, c)

@@ -202,11 +202,11 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
 
     v_c = layout.load(v, c0, c1, out=ws("v", num, c, head_v_dim))
     # Separate contiguous U and W: the scan's in-place matmuls on a strided view would fall
-    # back to one matmul per matrix.
-    scratch = ws("scratch_ck", num, c, max(head_k_dim, head_v_dim))
-    u = bmm(inverse, torch.mul(v_c, beta_c[..., None], out=scratch[..., :head_v_dim]), out=ws("u", num, c, head_v_dim))
-    w = bmm(inverse, torch.mul(key, (beta_c * gamma_exp)[..., None], out=scratch[..., :head_k_dim]),
-            out=ws("w", num, c, head_k_dim))
+    # back to one matmul per matrix. The per-token factors scale the columns of T (C x C)
+    # rather than the rows of V and K (C x D): U = (T diag(beta)) V, W = (T diag(beta e^gamma)) K.
+    t_scaled = torch.mul(inverse, beta_c[..., None, :], out=scratch)  # scratch (-beta G) is spent
+    u = bmm(t_scaled, v_c, out=ws("u", num, c, head_v_dim))
+    w = bmm(t_scaled.mul_(gamma_exp[..., None, :]), key, out=ws("w", num, c, head_k_dim))
     k_scale = torch.sub(gamma[..., -1:], gamma, out=ws("k_scale", num, c)).exp_()
     k_decayed = torch.mul(key, k_scale[..., None], out=ws("k_decayed", num, c, head_k_dim))
     return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, u, w, k_scale, k_decayed)

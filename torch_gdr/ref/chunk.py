@@ -222,11 +222,13 @@ def state_scan(seg: Segment, states: Tensor) -> None:
     ``states [G + 1, nh, K, V]`` (each ``states[c]`` contiguous) holds ``S_0`` on entry and
     every ``S_c`` on return.
     """
-    u, w, k_decayed, chunk_decay = seg.u, seg.w, seg.k_decayed, seg.chunk_decay
-    for c in range(u.shape[0]):
-        u[c].baddbmm_(w[c], states[c], alpha=-1)
-        torch.mul(states[c], chunk_decay[c], out=states[c + 1])
-        states[c + 1].baddbmm_(k_decayed[c].mT, u[c])
+    # Per-chunk views made once (unbind): indexing in the loop costs Python time per op.
+    u, w, k_decayed_t, chunk_decay = (x.unbind(0) for x in (seg.u, seg.w, seg.k_decayed.mT, seg.chunk_decay))
+    s = states.unbind(0)
+    for c in range(len(u)):
+        u[c].baddbmm_(w[c], s[c], alpha=-1)
+        torch.mul(s[c], chunk_decay[c], out=s[c + 1])
+        s[c + 1].baddbmm_(k_decayed_t[c], u[c])
 
 
 def initial_states(layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,

@@ -19,3 +19,19 @@ atexit.register(shutil.rmtree, _hypothesis_home, ignore_errors=True)
 settings.register_profile("torch_gdr", database=None)
 settings.register_profile("torch_gdr_ci", database=None, derandomize=True)
 settings.load_profile("torch_gdr_ci" if os.environ.get("CI") else "torch_gdr")
+
+
+# PyPTO writes ./output, ~/.pypto and ~/ascend unless torch_gdr redirects it first (an
+# `import pypto` that bypasses torch_gdr.ops.pypto does not). Fail the run if any test
+# leaves them behind.
+_LITTER = [os.path.join(os.getcwd(), "output"), os.path.expanduser("~/.pypto"), os.path.expanduser("~/ascend")]
+_present_at_start = {path for path in _LITTER if os.path.exists(path)}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    created = [path for path in _LITTER if os.path.exists(path) and path not in _present_at_start]
+    if created:
+        session.config.get_terminal_writer().line(
+            f"tests left PyPTO files behind: {', '.join(created)} (import pypto through torch_gdr.ops.pypto)",
+            red=True)
+        session.exitstatus = 1

@@ -32,7 +32,6 @@ import torch
 from torch_gdr.ref import chunk_layout
 from torch_gdr.ref.chunk_layout import ChunkLayout
 from torch_gdr.ref.triangular import unit_lower_inverse
-from torch_gdr.ref.utils import L2NORM_EPS
 
 Tensor = torch.Tensor
 
@@ -173,14 +172,11 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
     ws.activate(c0)
     qk = ws("qk", num, 2 * c, head_k_dim)
-    rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
+    rnorm = ws("rnorm", num, 2 * c, 1) if use_qk_l2norm_in_kernel else None
     if not states_only:
-        layout.load(q, c0, c1, out=qk[:, :, :c])
-    key = layout.load(k, c0, c1, out=qk[:, :, c:])
-    rnorm = None
-    if use_qk_l2norm_in_kernel:
-        rnorm = qk[:, :, rows].pow(2).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
-        qk[:, :, rows].mul_(rnorm)
+        layout.load(q, c0, c1, out=qk[:, :, :c], rnorm_out=None if rnorm is None else rnorm[:, :, :c])
+    key = layout.load(k, c0, c1, out=qk[:, :, c:], rnorm_out=None if rnorm is None else rnorm[:, :, c:])
+    rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
     gamma = layout.load(g, c0, c1, out=ws("gamma", num, c)).cumsum_(-1)
     beta_c = layout.load(beta, c0, c1, out=ws("beta", num, c))
     gamma_exp = torch.exp(gamma, out=ws("gamma_exp", num, c))

@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from torch_gdr.ref.utils import compute_dtype_for
+from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for
 
 Tensor = torch.Tensor
 
@@ -104,16 +104,19 @@ class ChunkLayout:
         c = self.chunk_size
         return c0 * c, min(c1 * c, self.seq_len)
 
-    def load(self, x: Tensor, c0: int, c1: int, out: Optional[Tensor] = None) -> Tensor:
+    def load(self, x: Tensor, c0: int, c1: int, out: Optional[Tensor] = None,
+             rnorm_out: Optional[Tensor] = None) -> Tensor:
         """Chunks ``[c0, c1)`` of ``x [B, T, Hx, *D]`` (``Hx`` divides HV) of the active
         sequences as a new (or the given) tensor ``[c1 - c0, active(c0) * HV, C, *D]`` in the
-        compute dtype, zeros in the padding."""
+        compute dtype, zeros in the padding.
+
+        With ``rnorm_out [c1 - c0, active(c0) * HV, C, 1]``, the rows (last dim) are
+        l2-normalised on the way in, ``x / sqrt(|x|^2 + eps)``, in the same single pass over
+        the destination, and their factors ``1 / sqrt(|x|^2 + eps)`` are written to
+        ``rnorm_out``."""
         g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
-        heads, rest = x.shape[2], tuple(x.shape[3:])
-        group = hv // heads
         if out is None:
-            out = torch.empty((g, n * hv, c) + rest, dtype=self.dtype, device=x.device)
-        dst = out.unflatten(1, (n, heads, group))
+            out = torch.empty((g, n * hv, c) + tuple(x.shape[3:]), dtype=self.dtype, device=x.device)
         if self.varlen:
             index = self.token_index[:n, c0 * c:c1 * c]
             valid = self.valid[:n, c0 * c:c1 * c]
@@ -122,20 +125,38 @@ class ChunkLayout:
         else:
             t0, t1 = self._token_span(c0, c1)
             tokens = x[:, t0:t1]
-            if t1 - t0 < g * c:  # the tail chunk: zero its padding
-                dst[-1].zero_()
-        length = tokens.shape[1]
-        src = tokens.unflatten(1, (-1, c)) if length == g * c else None
-        if src is not None:
-            dst.copy_(src.movedim(1, 0).movedim(2, 3).unsqueeze(3).expand(dst.shape))
-        else:  # partial tail chunk (batched, no cu_seqlens)
-            full = (length // c) * c
-            if full:
-                head = tokens[:, :full].unflatten(1, (-1, c)).movedim(1, 0).movedim(2, 3).unsqueeze(3)
-                dst[: full // c].copy_(head.expand(dst[: full // c].shape))
-            tail = tokens[:, full:].movedim(1, 2).unsqueeze(2)  # [N, Hx, 1, L, *D]
-            dst[-1, :, :, :, : length - full].copy_(tail.expand(dst[-1, :, :, :, : length - full].shape))
+        factor = None
+        if rnorm_out is not None:
+            factor = torch.linalg.vector_norm(tokens, dim=-1, keepdim=True, dtype=self.dtype)
+            factor = factor.square_().add_(L2NORM_EPS).rsqrt_()  # [N, L, Hx, 1]
+            self._place(factor, g, n, rnorm_out)
+        self._place(tokens, g, n, out, factor)
         return out
+
+    def _place(self, tokens: Tensor, g: int, n: int, out: Tensor, factor: Optional[Tensor] = None) -> None:
+        """Write ``tokens [N, L, Hx, *D]`` (``L <= G * C`` tokens from the start of chunk
+        ``c0``; times ``factor [N, L, Hx, 1]`` when given) into ``out [G, N * HV, C, *D]``,
+        repeating each q/k head over its value heads and zeroing the padding."""
+        c, hv = self.chunk_size, self.num_v_heads
+        heads = tokens.shape[2]
+        dst = out.unflatten(1, (n, heads, hv // heads))
+        length = tokens.shape[1]
+        if length < g * c:  # the tail chunk: zero its padding
+            dst[-1].zero_()
+
+        def put(dst_part: Tensor, src_of) -> None:
+            src = src_of(tokens)
+            if factor is None:
+                dst_part.copy_(src.expand(dst_part.shape))
+            else:
+                torch.mul(src.expand(dst_part.shape), src_of(factor), out=dst_part)
+
+        full = (length // c) * c
+        if full:  # whole chunks: [N, F*C, Hx, *D] -> [F, N, Hx, 1, C, *D]
+            put(dst[: full // c],
+                lambda x: x[:, :full].unflatten(1, (-1, c)).movedim(1, 0).movedim(2, 3).unsqueeze(3))
+        if full < length:  # a partial tail chunk (batched, no cu_seqlens)
+            put(dst[-1, :, :, :, : length - full], lambda x: x[:, full:].movedim(1, 2).unsqueeze(2))
 
     def store(self, dst: Tensor, src: Tensor, c0: int, c1: int) -> None:
         """Write ``src [c1 - c0, active(c0) * HV, C, *D]`` into chunks ``[c0, c1)`` of

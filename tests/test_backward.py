@@ -99,6 +99,13 @@ def _public(backend: str):
     return call
 
 
+def _op(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
+    """The op itself: its registered autograd saves only the inputs, so its backward
+    recomputes the chunk states (the public call in eager mode keeps them instead)."""
+    return torch.ops.gdr.chunked_gated_delta_rule(q, k, v, g, beta, scale, h0, output_final_state, case.l2norm,
+                                                  cu, case.chunk, case.state_v_first)
+
+
 def reference_grads(case: Case, data: dict) -> dict:
     tensors = {n: (x.double() if x is not None else None) for n, x in data["tensors"].items()}
     return _loss_grads(_public("recurrent"), case, tensors, data["do"], data["dht"])
@@ -135,11 +142,13 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_grads_match_recurrence(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("path", ["public", "op"], ids=["saved_states", "op_recomputes"])
+def test_grads_match_recurrence(name: str, dtype: torch.dtype, path: str) -> None:
     case = CASES[name]
     data = make_inputs(case, dtype)
     ref = reference_grads(case, data)
-    out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
+    call = _public("torch") if path == "public" else _op
+    out = _loss_grads(call, case, data["tensors"], data["do"], data["dht"])
     assert set(out) == set(ref)
     for n in ref:
         assert out[n].dtype == data["tensors"][n].dtype and out[n].shape == ref[n].shape, n
@@ -276,3 +285,40 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int) -> None:
     out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
     for n in ref:
         assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
+
+
+def test_eager_training_keeps_the_chunk_states(monkeypatch) -> None:
+    """The public call under autograd saves the chunk states: its backward runs no
+    recompute pass (load_segment with states_only), while the op's backward does."""
+    import torch_gdr.ref.chunk_backward as chunk_backward
+
+    passes = []
+    real = chunk_backward.load_segment
+
+    def counting(*args, **kwargs):
+        passes.append(kwargs.get("states_only", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_backward, "load_segment", counting)
+    case = Case(seq_len=40, cu_seqlens=(0, 7, 40), heads=1, v_heads=2)
+    data = make_inputs(case, torch.float64)
+    for call, recomputes in ((_public("torch"), False), (_op, True)):
+        passes.clear()
+        _loss_grads(call, case, data["tensors"], data["do"], data["dht"])
+        assert passes and any(passes) == recomputes
+
+
+def test_final_state_may_be_updated_in_place_before_backward() -> None:
+    """The final state handed out is not a view of the states kept for the backward."""
+    case = Case(seq_len=40)
+    data = make_inputs(case, torch.float64)
+    expected = _loss_grads(_public("torch"), case, data["tensors"], data["do"], None)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in data["tensors"].items() if x is not None}
+    o, final = torch_gdr.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                                                leaves["beta"], initial_state=leaves["initial_state"],
+                                                output_final_state=True, chunk_size=case.chunk)
+    with torch.no_grad():
+        final.mul_(2)  # e.g. a cache updated in place
+    (o * data["do"]).sum().backward()
+    for n, x in leaves.items():
+        torch.testing.assert_close(x.grad, expected[n], atol=1e-10, rtol=1e-10)

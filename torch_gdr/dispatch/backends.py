@@ -2,7 +2,8 @@
 
 | name        | what runs                                                  |
 | ----------- | ---------------------------------------------------------- |
-| "torch"     | the op with the pure-torch chunked algorithm, any device   |
+| "torch"     | the pure-torch chunked algorithm, any device (the op; in   |
+|             | eager training, its autograd function that keeps states)   |
 | "recurrent" | the per-token recurrence (the definition), any device      |
 | "pypto"     | the PyPTO kernel: on Ascend NPUs, or on the CPU through    |
 |             | PyPTO's interpreter (a correctness check, not fast)        |
@@ -26,6 +27,7 @@ from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.device import is_npu_device
 from torch_gdr.dispatch.pypto_backend import KERNEL_CHUNK_SIZES, pypto_backend
 from torch_gdr.ops.registration import _check_real
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 BACKEND_ENV_VAR = "TORCH_GDR_BACKEND"
@@ -47,11 +49,27 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
 
 
-def _torch_op(*args):
-    return torch.ops.gdr.chunked_gated_delta_rule(*args)
+def _records_autograd(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-BACKENDS: dict[str, BackendFn] = {"torch": _torch_op, "recurrent": _recurrent, "pypto": pypto_backend}
+def _torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+           chunk_size, state_v_first):
+    """The pure-torch chunked algorithm. Calls that record autograd outside a trace run its
+    autograd function directly: it keeps the state entering every chunk for the backward,
+    which then skips the pass that recomputes them (the op's registered autograd can only
+    save the inputs and outputs of the op). Everything else, ``torch.compile`` included,
+    calls ``torch.ops.gdr.chunked_gated_delta_rule``; both give the same values and
+    gradients."""
+    if _records_autograd(q, k, v, g, beta, initial_state) and not torch.compiler.is_compiling():
+        _check_real(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
+        return run_in_canonical_layout(chunk_gated_delta_rule_fwd, q, k, v, g, beta, scale, initial_state,
+                                       use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+    return torch.ops.gdr.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                  use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+
+
+BACKENDS: dict[str, BackendFn] = {"torch": _torch, "recurrent": _recurrent, "pypto": pypto_backend}
 
 
 def default_backend(device: torch.device) -> str:

@@ -242,8 +242,13 @@ def initial_states(layout: ChunkLayout, initial_state: Optional[Tensor], head_k_
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                   initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor],
-                  chunk_size: int) -> tuple[Tensor, Tensor]:
-    """The chunked forward without autograd: ``(o [B, T, HV, V] in v's dtype, final state)``."""
+                  chunk_size: int, save_states: bool = False) -> tuple[Tensor, ...]:
+    """The chunked forward without autograd: ``(o [B, T, HV, V] in v's dtype, final state)``.
+
+    With ``save_states`` a third tensor is returned: the state entering every chunk and the
+    final one, ``[NC + 1, N * HV, K, V]`` in the layout's order of sequences (what
+    :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd` takes as
+    ``chunk_states`` instead of recomputing them)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # No per-segment tensor outlives the call (unlike the backward's): on the CPU, segments
     # twice the backward's size halve the number of ops per token for a few MiB more
@@ -252,42 +257,55 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     layout = ChunkLayout(v, cu_seqlens, chunk_size, segment_matrices)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
     final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
-    states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.segment + 1)
+    slots = layout.num_chunks + 1 if save_states else layout.segment + 1
+    states = initial_states(layout, initial_state, head_k_dim, head_v_dim, slots)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     ws = Workspace(layout)
     for c0, c1 in layout.segments():
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, scale_attn=False)
         num, nh = c1 - c0, ws.nh
-        state_scan(seg, states[: num + 1, :nh])
+        seg_states = states[c0:c1 + 1, :nh] if save_states else states[: num + 1, :nh]
+        state_scan(seg, seg_states)
         q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
                               out=ws("q_decayed", num, *seg.query.shape[2:]))
-        out = bmm(q_decayed, states[:num, :nh], out=ws("o", num, seg.query.shape[2], head_v_dim))
+        out = bmm(q_decayed, seg_states[:num], out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u), alpha=scale)  # attn is unscaled
         layout.store(o, out, c0, c1)
-        states[0, :nh].copy_(states[num, :nh])
-    return o, layout.unsort_states(states[0].view(final_shape)).clone()
+        if not save_states:
+            states[0, :nh].copy_(states[num, :nh])
+    if not save_states:
+        return o, layout.unsort_states(states[0].view(final_shape)).clone()
+    # A copy, not a view of the saved states: the caller may update it in place.
+    final_state = layout.unsort_states(layout.final_states(states).view(final_shape))
+    return o, (final_state.clone() if not layout.varlen else final_state), states
 
 
 class _ChunkedFunction(torch.autograd.Function):
-    """The chunked forward with the hand-written backward, for direct autograd use."""
+    """The chunked forward with the hand-written backward, for direct autograd use. It keeps
+    the state entering every chunk for the backward (``[NC + 1, N * HV, K, V]``, about
+    ``2 K V / (C (K + V))`` times the size of q, k and v in float32), so that the backward
+    need not recompute them."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size):
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, final_state, chunk_states = _forward_impl(q, k, v, g, beta, scale, initial_state,
+                                                     use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                                                     save_states=True)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_states)
         ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size)
-        return _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                             chunk_size)
+        return o, final_state
 
     @staticmethod
     def backward(ctx, grad_o, grad_final_state):
         from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_states = ctx.saved_tensors
         scale, use_qk_l2norm_in_kernel, chunk_size = ctx.options
         if grad_o is None:
             grad_o = torch.zeros_like(v)
         grads = chunk_gated_delta_rule_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
-                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                                           chunk_states=chunk_states)
         return grads + (None, None, None, None)
 
 

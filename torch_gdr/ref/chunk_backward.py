@@ -10,10 +10,12 @@ Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_g
     Qg = exp(gamma) * Q                   P  = (Q K^T) * Gamma       Kd = exp(gamma_C - gamma) * K
     O  = Qg S + P V'                      S' = exp(gamma_C) S + Kd^T V'
 
-Nothing but the inputs is saved by the forward. The backward runs in two passes over
-segments of a few chunks (:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are
-O(segment): pass 1 recomputes the chunk-boundary states ``S_c`` (a forward scan keeping
-only ``[NC + 1, N * HV, K, V]``); pass 2 walks the segments and chunks in reverse,
+The forward saves the inputs and, where it can (the eager autograd path), the
+chunk-boundary states ``S_c`` ``[NC + 1, N * HV, K, V]``; everything else is recomputed.
+The backward runs in up to two passes over segments of a few chunks
+(:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are O(segment): pass 1,
+only when the states were not saved (the op's registered autograd saves nothing but the
+inputs), recomputes them by a forward scan; pass 2 walks the segments and chunks in reverse,
 recomputing each segment's parallel part and ``V' = U - W S`` (one batched matmul, the
 states being known), carrying ``dS`` (the gradient of the loss w.r.t. the state leaving
 the chunk, starting from the gradient on the final state)::
@@ -83,6 +85,7 @@ def chunk_gated_delta_rule_bwd(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     chunk_size: int = 64,
+    chunk_states: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Gradients of :func:`torch_gdr.ref.chunk.chunk_gated_delta_rule_fwd`.
 
@@ -92,6 +95,9 @@ def chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
         chunk_size: the forward's arguments, in the batched layout with a key-first state
             (``cu_seqlens`` int64 on the inputs' device).
+        chunk_states: the state entering every chunk, ``[NC + 1, N * HV, K, V]`` as saved by
+            the forward (``_forward_impl(..., save_states=True)``), or None to recompute
+            them (pass 1).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, d_initial_state)``, each in the shape and dtype of its input;
@@ -101,13 +107,16 @@ def chunk_gated_delta_rule_bwd(
     layout = ChunkLayout(v, cu_seqlens, chunk_size)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
 
-    # Pass 1: the state entering every chunk (and the final one).
-    states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.num_chunks + 1)
     ws = Workspace(layout)
-    for c0, c1 in layout.segments():
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, states_only=True)
-        state_scan(seg, states[c0:c1 + 1, :ws.nh])
-        del seg
+    if chunk_states is not None:
+        states = chunk_states
+    else:  # Pass 1: the state entering every chunk (and the final one).
+        states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.num_chunks + 1)
+        for c0, c1 in layout.segments():
+            seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws,
+                               states_only=True)
+            state_scan(seg, states[c0:c1 + 1, :ws.nh])
+            del seg
 
     # Pass 2: segments in reverse, carrying dS.
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta))

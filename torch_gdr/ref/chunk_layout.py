@@ -94,6 +94,16 @@ class ChunkLayout:
         out[self.order] = x
         return out
 
+    def final_states(self, states: Tensor) -> Tensor:
+        """The state each sequence ends with, ``[N * HV, ...]`` in the layout's order, from
+        ``states [NC + 1, N * HV, ...]`` holding the state entering every chunk (slot
+        ``NC`` the last): slot ``n_chunks(n)`` of sequence ``n``'s matrices."""
+        if not self.varlen:
+            return states[self.num_chunks]
+        hv = self.num_v_heads
+        slot = torch.tensor(self.seq_chunks, dtype=torch.int64, device=states.device).repeat_interleave(hv)
+        return states[slot, torch.arange(self.num_matrices, device=states.device)]
+
     def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
         starts = list(range(0, self.num_chunks, self.segment))

@@ -129,7 +129,6 @@ class Workspace:
 
     def __init__(self, layout: ChunkLayout) -> None:
         self.layout = layout
-        self.capacity = min(layout.segment, max(1, layout.num_chunks))
         self.nh = layout.num_matrices
         self.buffers: dict[str, Tensor] = {}
 
@@ -143,7 +142,7 @@ class Workspace:
         need = math.prod(shape)
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < need:
-            full = max(need, self.capacity * self.layout.num_matrices * math.prod(inner))
+            full = max(need, self.layout.segment_capacity * math.prod(inner))
             buf = torch.empty(full, dtype=self.layout.dtype, device=self.layout.device)
             self.buffers[name] = buf
         return buf[:need].view(shape)

@@ -76,7 +76,17 @@ class ChunkLayout:
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
-        self.segment = max(1, segment_matrices // max(1, self.num_matrices))
+        # Segments: as many chunks as keep (chunks x active matrices) near segment_matrices.
+        # With varlen the active sequences thin out along the chunks, and so segments lengthen.
+        self._segments: list[tuple[int, int]] = []
+        c0 = 0
+        while c0 < self.num_chunks:
+            c1 = min(self.num_chunks, c0 + max(1, segment_matrices // max(1, self.active(c0) * self.num_v_heads)))
+            self._segments.append((c0, c1))
+            c0 = c1
+        self.segment = max((c1 - c0 for c0, c1 in self._segments), default=1)  # chunks, at most
+        self.segment_capacity = max(((c1 - c0) * self.active(c0) * self.num_v_heads for c0, c1 in self._segments),
+                                    default=1)  # matrices, at most
 
     def active(self, c0: int) -> int:
         """The number of sequences that still have tokens in chunk ``c0`` (a prefix)."""
@@ -106,9 +116,7 @@ class ChunkLayout:
 
     def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
-        starts = list(range(0, self.num_chunks, self.segment))
-        for c0 in (reversed(starts) if reverse else starts):
-            yield c0, min(c0 + self.segment, self.num_chunks)
+        yield from (reversed(self._segments) if reverse else self._segments)
 
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
         c = self.chunk_size

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from torch_gdr.ref import chunk_layout
 from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.triangular import unit_lower_inverse
 
 Tensor = torch.Tensor
@@ -208,35 +208,23 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, u, w, k_scale, k_decayed)
 
 
-def state_scan(seg: Segment, states: Tensor) -> None:
+def state_scan(seg: Segment, slots: Sequence[Tensor]) -> None:
     """The recurrence across the chunks of a segment: for c = 0 .. G-1::
 
         V'_c     = U_c - W_c S_c                   (written over U_c in ``seg.u``)
         S_{c+1}  = exp(gamma_C) S_c + K_decayed_c^T V'_c
 
-    ``states [G + 1, nh, K, V]`` (each ``states[c]`` contiguous) holds ``S_0`` on entry and
-    every ``S_c`` on return.
+    ``slots``: ``G + 1`` contiguous ``[nh, K, V]`` states; ``slots[0]`` holds ``S_0`` on
+    entry, every ``slots[c]`` holds ``S_c`` on return (see
+    :meth:`torch_gdr.ref.chunk_states.ChunkStates.scan_slots`).
     """
     # Per-chunk views made once (unbind): indexing in the loop costs Python time per op.
     u, w, k_decayed_t, chunk_decay = (x.unbind(0) for x in (seg.u, seg.w, seg.k_decayed.mT, seg.chunk_decay))
-    s = states.unbind(0)
+    s = slots
     for c in range(len(u)):
         u[c].baddbmm_(w[c], s[c], alpha=-1)
         torch.mul(s[c], chunk_decay[c], out=s[c + 1])
         s[c + 1].baddbmm_(k_decayed_t[c], u[c])
-
-
-def initial_states(layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,
-                   slots: int) -> Tensor:
-    """A buffer ``[slots, NH, K, V]`` whose first slot holds the initial state (zeros when
-    None), sequences in the layout's order."""
-    states = torch.empty(slots, layout.num_matrices, head_k_dim, head_v_dim, dtype=layout.dtype,
-                         device=layout.device)
-    if initial_state is None:
-        states[0].zero_()
-    else:
-        states[0].copy_(layout.sort_states(initial_state).reshape(states.shape[1:]))
-    return states
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
@@ -244,39 +232,29 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                   chunk_size: int, save_states: bool = False) -> tuple[Tensor, ...]:
     """The chunked forward without autograd: ``(o [B, T, HV, V] in v's dtype, final state)``.
 
-    With ``save_states`` a third tensor is returned: the state entering every chunk and the
-    final one, ``[NC + 1, N * HV, K, V]`` in the layout's order of sequences (what
-    :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd` takes as
-    ``chunk_states`` instead of recomputing them)."""
+    With ``save_states`` a third tensor is returned: the storage of the
+    :class:`~torch_gdr.ref.chunk_states.ChunkStates` holding the state entering every chunk,
+    what :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd` takes as
+    ``chunk_states`` instead of recomputing them."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # No per-segment tensor outlives the call (unlike the backward's): on the CPU, segments
-    # twice the backward's size halve the number of ops per token for a few MiB more
-    # workspace; accelerators keep their memory-sized default.
-    segment_matrices = 2 * chunk_layout.SEGMENT_MATRICES if v.device.type == "cpu" else None
-    layout = ChunkLayout(v, cu_seqlens, chunk_size, segment_matrices)
+    layout = ChunkLayout(v, cu_seqlens, chunk_size)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
-    final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
-    slots = layout.num_chunks + 1 if save_states else layout.segment + 1
-    states = initial_states(layout, initial_state, head_k_dim, head_v_dim, slots)
+    states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=save_states)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     ws = Workspace(layout)
-    for c0, c1 in layout.segments():
+    for i, (c0, c1) in enumerate(layout.segments()):
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, scale_attn=False)
-        num, nh = c1 - c0, ws.nh
-        seg_states = states[c0:c1 + 1, :nh] if save_states else states[: num + 1, :nh]
-        state_scan(seg, seg_states)
+        num = c1 - c0
+        state_scan(seg, states.scan_slots(i))
         q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
                               out=ws("q_decayed", num, *seg.query.shape[2:]))
-        out = bmm(q_decayed, seg_states[:num], out=ws("o", num, seg.query.shape[2], head_v_dim))
+        out = bmm(q_decayed, states.block(i), out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u), alpha=scale)  # attn is unscaled
         layout.store(o, out, c0, c1)
-        if not save_states:
-            states[0, :nh].copy_(states[num, :nh])
-    if not save_states:
-        return o, layout.unsort_states(states[0].view(final_shape)).clone()
-    # A copy, not a view of the saved states: the caller may update it in place.
-    final_state = layout.unsort_states(layout.final_states(states).view(final_shape))
-    return o, (final_state.clone() if not layout.varlen else final_state), states
+        states.hand_over(i)
+    final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
+    final_state = layout.unsort_states(states.final.view(final_shape))
+    return (o, final_state, states.storage) if save_states else (o, final_state)
 
 
 class _ChunkedFunction(torch.autograd.Function):

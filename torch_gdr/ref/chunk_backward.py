@@ -11,7 +11,8 @@ Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_g
     O  = Qg S + P V'                      S' = exp(gamma_C) S + Kd^T V'
 
 The forward saves the inputs and, where it can (the eager autograd path), the
-chunk-boundary states ``S_c`` ``[NC + 1, N * HV, K, V]``; everything else is recomputed.
+chunk-boundary states ``S_c`` (:mod:`torch_gdr.ref.chunk_states`); everything else is
+recomputed.
 The backward runs in up to two passes over segments of a few chunks
 (:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are O(segment): pass 1,
 only when the states were not saved (the op's registered autograd saves nothing but the
@@ -66,7 +67,8 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, initial_states, load_segment, state_scan
+from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
+from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.chunk_layout import ChunkLayout
 
 Tensor = torch.Tensor
@@ -95,9 +97,10 @@ def chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
         chunk_size: the forward's arguments, in the batched layout with a key-first state
             (``cu_seqlens`` int64 on the inputs' device).
-        chunk_states: the state entering every chunk, ``[NC + 1, N * HV, K, V]`` as saved by
-            the forward (``_forward_impl(..., save_states=True)``), or None to recompute
-            them (pass 1).
+        chunk_states: the state entering every chunk as saved by the forward
+            (``_forward_impl(..., save_states=True)``, the storage of a
+            :class:`~torch_gdr.ref.chunk_states.ChunkStates`), or None to recompute them
+            (pass 1).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, d_initial_state)``, each in the shape and dtype of its input;
@@ -109,26 +112,25 @@ def chunk_gated_delta_rule_bwd(
 
     ws = Workspace(layout)
     if chunk_states is not None:
-        states = chunk_states
-    else:  # Pass 1: the state entering every chunk (and the final one).
-        states = initial_states(layout, initial_state, head_k_dim, head_v_dim, layout.num_chunks + 1)
-        for c0, c1 in layout.segments():
+        states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=True, storage=chunk_states)
+    else:  # Pass 1: the state entering every chunk.
+        states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=True)
+        for i, (c0, c1) in enumerate(layout.segments()):
             seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws,
                                states_only=True)
-            state_scan(seg, states[c0:c1 + 1, :ws.nh])
+            state_scan(seg, states.scan_slots(i))
+            states.hand_over(i)
             del seg
 
     # Pass 2: segments in reverse, carrying dS.
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta))
-    carry = torch.zeros_like(states[0]) if grad_final_state is None else (
-        layout.sort_states(grad_final_state.to(layout.dtype)).reshape(states.shape[1:]).clone())
-    for c0, c1 in layout.segments(reverse=True):
+    state_shape = (layout.num_matrices, head_k_dim, head_v_dim)
+    carry = torch.zeros(state_shape, dtype=layout.dtype, device=layout.device) if grad_final_state is None else (
+        layout.sort_states(grad_final_state.to(layout.dtype)).reshape(state_shape).clone())
+    for i, (c0, c1) in reversed(list(enumerate(layout.segments()))):
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
         nh = ws.nh
-        s_in = states[c0:c1, :nh]
-        if nh < layout.num_matrices:
-            s_in = s_in.contiguous()
-        _segment_backward(layout, seg, grad_o, s_in, ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim),
+        _segment_backward(layout, seg, grad_o, states.block(i), ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim),
                           carry[:nh], scale, grads, c0, c1, ws)
         del seg
     d_initial = None

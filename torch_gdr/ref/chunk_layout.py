@@ -26,8 +26,10 @@ from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for
 Tensor = torch.Tensor
 
 # Matrices per batched matmul a segment aims at: large enough for efficient bmm, small
-# enough that a segment's temporaries stay a few MiB (in cache) on a CPU.
-SEGMENT_MATRICES = 24
+# enough that a segment's temporaries stay a few MiB (in cache) on a CPU. Forward and
+# backward must segment a call alike (the backward reads the forward's state blocks); on a
+# 2-core AVX-512 VM, 24 to 48 timed alike for both.
+SEGMENT_MATRICES = 32
 # On accelerators the bound is memory, not cache, and every segment costs dozens of kernel
 # launches: a segment of this many matrices keeps temporaries at a few hundred MiB at
 # C = 64, D = 128 (measured on an H200: 24 matrices a segment spent ~2 ms a chunk in
@@ -103,16 +105,6 @@ class ChunkLayout:
         out = torch.empty_like(x)
         out[self.order] = x
         return out
-
-    def final_states(self, states: Tensor) -> Tensor:
-        """The state each sequence ends with, ``[N * HV, ...]`` in the layout's order, from
-        ``states [NC + 1, N * HV, ...]`` holding the state entering every chunk (slot
-        ``NC`` the last): slot ``n_chunks(n)`` of sequence ``n``'s matrices."""
-        if not self.varlen:
-            return states[self.num_chunks]
-        hv = self.num_v_heads
-        slot = torch.tensor(self.seq_chunks, dtype=torch.int64, device=states.device).repeat_interleave(hv)
-        return states[slot, torch.arange(self.num_matrices, device=states.device)]
 
     def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""

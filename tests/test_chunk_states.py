@@ -1,0 +1,73 @@
+"""Chunk states are stored per segment, for the matrices a segment computes: memory follows
+the tokens of a call, not sequences x longest sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_gdr
+from tests.helpers import make_inputs
+from torch_gdr.ref.chunk import _forward_impl
+from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ref.chunk_states import ChunkStates
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+
+def _skewed_lengths(chunk: int) -> list[int]:
+    """One long document packed with many one-token ones: the shape of packed training."""
+    return [40 * chunk] + [1] * 200
+
+
+def test_storage_follows_the_tokens_for_skewed_packing() -> None:
+    chunk, heads = 16, 2
+    lengths = _skewed_lengths(chunk)
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    v = torch.zeros(1, sum(lengths), heads, 8)
+    layout = ChunkLayout(v, cu_seqlens, chunk)
+    states = ChunkStates(layout, None, 8, 8, keep=True)
+    real = sum(-(-n // chunk) for n in lengths) * heads  # (chunk, sequence, head) matrices with tokens
+    dense = (layout.num_chunks + 1) * len(lengths) * heads  # [NC + 1, N * HV]
+    assert states.storage.shape[0] <= 2 * real
+    assert states.storage.shape[0] * 20 < dense
+
+
+def test_skewed_packing_matches_the_recurrence_with_gradients() -> None:
+    chunk = 16
+    inputs = make_inputs(seqlens=_skewed_lengths(chunk)[:30], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
+                         head_v_dim=8, with_initial_state=True, dtype=torch.float64)
+    leaves = {n: x.clone().requires_grad_() for n, x in inputs.items() if isinstance(x, torch.Tensor)
+              and x.is_floating_point()}
+    args = dict(inputs, **leaves)
+    o, final = torch_gdr.chunk_gated_delta_rule(**args, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                chunk_size=chunk)
+    (o.sum() + final.square().sum()).backward()
+    got = {n: x.grad for n, x in leaves.items()}
+    ref_leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()}
+    ref_o, ref_final = naive_recurrent_gated_delta_rule(**dict(inputs, **ref_leaves), output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    (ref_o.sum() + ref_final.square().sum()).backward()
+    torch.testing.assert_close(o, ref_o, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, ref_final, atol=1e-10, rtol=1e-10)
+    for n, x in ref_leaves.items():
+        torch.testing.assert_close(got[n], x.grad, atol=1e-8, rtol=1e-8, msg=n)
+
+
+def test_saved_storage_must_match_the_layout() -> None:
+    v = torch.zeros(1, 64, 2, 8)
+    layout = ChunkLayout(v, None, 16)
+    with pytest.raises(ValueError, match=r"chunk_states: expected shape \[8, 8, 8\].*got \[3, 8, 8\]"):
+        ChunkStates(layout, None, 8, 8, keep=True, storage=torch.zeros(3, 8, 8))
+
+
+def test_forward_saves_what_the_backward_reads() -> None:
+    inputs = make_inputs(seqlens=[50, 0, 3, 33], num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                         with_initial_state=True, dtype=torch.float64)
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None, inputs["initial_state"],
+            False, inputs["cu_seqlens"], 16)
+    o, final = _forward_impl(*args)
+    o_saved, final_saved, storage = _forward_impl(*args, save_states=True)
+    torch.testing.assert_close(o_saved, o, atol=0, rtol=0)
+    torch.testing.assert_close(final_saved, final, atol=0, rtol=0)
+    layout = ChunkLayout(inputs["v"], inputs["cu_seqlens"], 16)
+    assert storage.shape[0] == ChunkStates(layout, None, 8, 8, keep=True).storage.shape[0]

@@ -72,9 +72,8 @@ class ChunkLayout:
             lengths, starts = lengths[self.order], offsets[:-1][self.order]
             self.seq_chunks = ((lengths + chunk_size - 1) // chunk_size).tolist()
             self.num_chunks = self.seq_chunks[0] if self.num_seqs else 0
-            positions = torch.arange(self.num_chunks * chunk_size, device=v.device)
-            self.valid = positions[None, :] < lengths[:, None]  # [N, NC * C], sorted order
-            self.token_index = torch.where(self.valid, starts[:, None] + positions[None, :], 0)
+            self.lengths, self.starts = lengths, starts  # sorted order
+            self._gather_cache: Optional[tuple[int, int, Tensor, Tensor]] = None
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
@@ -110,6 +109,21 @@ class ChunkLayout:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
         yield from (reversed(self._segments) if reverse else self._segments)
 
+    def _gather_index(self, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+        """Varlen: ``(index, valid)``, both ``[active(c0), (c1 - c0) * C]``: the token of
+        every position of chunks ``[c0, c1)`` of the active sequences (0 where ``valid`` is
+        False, past a sequence's end). Built per segment (and kept for the segment's loads
+        and stores), so that memory stays O(segment) however long the longest sequence."""
+        cached = self._gather_cache
+        if cached is not None and cached[:2] == (c0, c1):
+            return cached[2], cached[3]
+        n, c = self.active(c0), self.chunk_size
+        positions = torch.arange(c0 * c, c1 * c, device=self.device)
+        valid = positions[None, :] < self.lengths[:n, None]
+        index = torch.where(valid, self.starts[:n, None] + positions[None, :], 0)
+        self._gather_cache = (c0, c1, index, valid)
+        return index, valid
+
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
         c = self.chunk_size
         return c0 * c, min(c1 * c, self.seq_len)
@@ -128,8 +142,7 @@ class ChunkLayout:
         if out is None:
             out = torch.empty((g, n * hv, c) + tuple(x.shape[3:]), dtype=self.dtype, device=x.device)
         if self.varlen:
-            index = self.token_index[:n, c0 * c:c1 * c]
-            valid = self.valid[:n, c0 * c:c1 * c]
+            index, valid = self._gather_index(c0, c1)
             tokens = x[0][index]  # [N, G*C, Hx, *D]
             tokens = tokens.masked_fill_(~valid.view(valid.shape + (1,) * (tokens.dim() - 2)), 0)
         else:
@@ -178,8 +191,7 @@ class ChunkLayout:
         src = src.sum(3) if hv != heads else src.squeeze(3)  # [G, N, Hx, C, *D]
         chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
         if self.varlen:
-            index = self.token_index[:n, c0 * c:c1 * c]
-            valid = self.valid[:n, c0 * c:c1 * c]
+            index, valid = self._gather_index(c0, c1)
             tokens = chunked.reshape((n, g * c, heads) + rest)
             dst[0].index_copy_(0, index[valid], tokens[valid].to(dst.dtype))
             return

@@ -10,14 +10,14 @@ Each sequence is cut into chunks of ``C`` tokens. With ``gamma`` the cumulative 
     O  = (exp(gamma) * Q) S + (Q K^T * Gamma) V'
     S <- exp(gamma_C) S + (exp(gamma_C - gamma) * K)^T V'
 
-The call is processed a *segment* of ``G`` chunks at a time (all sequences and heads of
-those chunks at once, chunk-major ``[G, N * HV, C, D]``, see
+The call is processed a *segment* of ``G`` chunks at a time (all heads of the sequences
+still running at once, chunk-major ``[G, nh, C, D]``, see
 :mod:`torch_gdr.ref.chunk_layout`): temporaries stay O(segment) whatever T is, and every
-parallel step is one batched matmul over the ``G * N * HV`` chunk matrices of the
-segment. Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that
+parallel step is one batched matmul over the ``G * nh`` chunk matrices of the segment. Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that
 ``Q K^T`` and ``K K^T`` are one matmul, and ``(I + A)^-1`` is a blocked inverse
 (:mod:`torch_gdr.ref.triangular`). Only the state recurrence loops over chunks, writing
-into preallocated buffers (no per-chunk copies); the large temporaries of a segment live
+into the segment's block of states (:mod:`torch_gdr.ref.chunk_states`; no per-chunk
+copies); the large temporaries of a segment live
 in a :class:`Workspace` reused by every segment of the call.
 """
 
@@ -259,9 +259,8 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
 
 class _ChunkedFunction(torch.autograd.Function):
     """The chunked forward with the hand-written backward, for direct autograd use. It keeps
-    the state entering every chunk for the backward (``[NC + 1, N * HV, K, V]``, about
-    ``2 K V / (C (K + V))`` times the size of q, k and v in float32), so that the backward
-    need not recompute them."""
+    the state entering every chunk for the backward (``K V / C`` floats per token and value
+    head, :mod:`torch_gdr.ref.chunk_states`), so that the backward need not recompute them."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size):

@@ -99,6 +99,30 @@ def test_sequences_never_mix() -> None:
     assert not torch.allclose(o[0, 20:50], o2[0, 20:50])
 
 
+@pytest.mark.parametrize("poisoned_seq", [0, 1], ids=["first_tokens", "middle"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_nan_in_one_packed_sequence_stays_there(name: str, poisoned_seq: int) -> None:
+    """A NaN in one sequence's tokens reaches neither the outputs, the final states nor the
+    gradients of the other sequences (padding positions gather nothing from them)."""
+    seqlens = [20, 30, 25, 3]
+    inputs = make_inputs(seqlens=seqlens, with_initial_state=True)
+    bounds = torch.tensor([0] + seqlens).cumsum(0).tolist()
+    span = torch.arange(bounds[poisoned_seq], bounds[poisoned_seq + 1])
+    clean = torch.tensor([t for t in range(bounds[-1]) if t not in set(span.tolist())])
+    others = [n for n in range(len(seqlens)) if n != poisoned_seq]
+    poisoned = {n: (x.clone().requires_grad_() if n in ("q", "k", "v", "g", "beta") else x)
+                for n, x in inputs.items()}
+    with torch.no_grad():
+        poisoned[name][0, span] = float("nan")
+    o, s = torch_gdr.chunk_gated_delta_rule(**poisoned, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            chunk_size=16)
+    (o[0, clean].sum() + s[others].sum()).backward()
+    assert torch.isfinite(o[0, clean]).all() and torch.isfinite(s[others]).all()
+    assert torch.isnan(o[0, span]).any()  # the poisoned sequence itself is NaN
+    for n in ("q", "k", "v", "g", "beta"):
+        assert torch.isfinite(poisoned[n].grad[0, clean]).all(), n
+
+
 @pytest.mark.parametrize("backend", ["torch", "recurrent"])
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_all_sequences_empty_returns_a_copy_of_the_initial_state(backend: str, state_v_first: bool) -> None:

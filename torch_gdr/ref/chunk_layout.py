@@ -74,7 +74,7 @@ class ChunkLayout:
             self.seq_chunks = ((lengths + chunk_size - 1) // chunk_size).tolist()
             self.num_chunks = self.seq_chunks[0] if self.num_seqs else 0
             self.lengths, self.starts = lengths, starts  # sorted order
-            self._gather_cache: Optional[tuple[int, int, Tensor, Tensor]] = None
+            self._gather_cache: Optional[tuple] = None
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
@@ -110,20 +110,31 @@ class ChunkLayout:
         """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
         yield from (reversed(self._segments) if reverse else self._segments)
 
-    def _gather_index(self, c0: int, c1: int) -> tuple[Tensor, Tensor]:
-        """Varlen: ``(index, valid)``, both ``[active(c0), (c1 - c0) * C]``: the token of
-        every position of chunks ``[c0, c1)`` of the active sequences (0 where ``valid`` is
-        False, past a sequence's end). Built per segment (and kept for the segment's loads
-        and stores), so that memory stays O(segment) however long the longest sequence."""
+    def _gather_index(self, c0: int, c1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Varlen, chunks ``[c0, c1)`` of the ``n = active(c0)`` active sequences, ``L =
+        (c1 - c0) * C`` positions each:
+
+        - ``index [n * L]``: the token at every position; past a sequence's end, the
+          sequence's own last token (so that what is gathered there, zeroed by ``keep``,
+          can never carry another sequence's NaN or inf into this one);
+        - ``keep [n, L, 1]``: 1 at real tokens, 0 past the end, in the compute dtype;
+        - ``real [R]`` and ``real_index [R]``: the positions (flat) holding real tokens
+          and their tokens, for stores.
+
+        Built per segment (and kept for the segment's loads and stores), so that memory
+        stays O(segment) however long the longest sequence."""
         cached = self._gather_cache
         if cached is not None and cached[:2] == (c0, c1):
-            return cached[2], cached[3]
+            return cached[2]
         n, c = self.active(c0), self.chunk_size
         positions = torch.arange(c0 * c, c1 * c, device=self.device)
-        valid = positions[None, :] < self.lengths[:n, None]
-        index = torch.where(valid, self.starts[:n, None] + positions[None, :], 0)
-        self._gather_cache = (c0, c1, index, valid)
-        return index, valid
+        lengths, starts = self.lengths[:n, None], self.starts[:n, None]
+        valid = positions[None, :] < lengths
+        index = (starts + torch.minimum(positions[None, :], lengths - 1)).flatten()
+        real = valid.flatten().nonzero().squeeze(1)
+        result = (index, valid.unsqueeze(-1).to(self.dtype), real, index[real])
+        self._gather_cache = (c0, c1, result)
+        return result
 
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
         c = self.chunk_size
@@ -142,17 +153,24 @@ class ChunkLayout:
         g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
         if out is None:
             out = torch.empty((g, n * hv, c) + tuple(x.shape[3:]), dtype=self.dtype, device=x.device)
+        keep = None  # varlen: [N, L, 1], zeros past each sequence's end
         if self.varlen:
-            index, valid = self._gather_index(c0, c1)
-            tokens = x[0][index]  # [N, G*C, Hx, *D]
-            tokens = tokens.masked_fill_(~valid.view(valid.shape + (1,) * (tokens.dim() - 2)), 0)
+            index, keep, _, _ = self._gather_index(c0, c1)
+            tokens = torch.index_select(x[0], 0, index).view((n, g * c) + tuple(x.shape[2:]))  # [N, G*C, Hx, *D]
+            if tokens.dim() == 3:  # per-token scalars (g, beta): zero the padding in place
+                tokens = tokens.mul_(keep)
+                keep = None
+            else:
+                keep = keep.unsqueeze(-1)  # [N, L, 1, 1]
         else:
             t0, t1 = self._token_span(c0, c1)
             tokens = x[:, t0:t1]
-        factor = None
+        factor = keep
         if rnorm_out is not None:
             factor = torch.linalg.vector_norm(tokens, dim=-1, keepdim=True, dtype=self.dtype)
             factor = factor.square_().add_(L2NORM_EPS).rsqrt_()  # [N, L, Hx, 1]
+            if keep is not None:
+                factor.mul_(keep)
             self._place(factor, g, n, rnorm_out)
         self._place(tokens, g, n, out, factor)
         return out
@@ -192,9 +210,9 @@ class ChunkLayout:
         src = src.sum(3) if hv != heads else src.squeeze(3)  # [G, N, Hx, C, *D]
         chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
         if self.varlen:
-            index, valid = self._gather_index(c0, c1)
-            tokens = chunked.reshape((n, g * c, heads) + rest)
-            dst[0].index_copy_(0, index[valid], tokens[valid].to(dst.dtype))
+            _, _, real, real_index = self._gather_index(c0, c1)
+            tokens = chunked.reshape((n * g * c, heads) + rest)
+            dst[0].index_copy_(0, real_index, tokens.index_select(0, real).to(dst.dtype))
             return
         t0, t1 = self._token_span(c0, c1)
         full = (t1 - t0) // c  # whole chunks: one strided copy, no intermediate

@@ -22,9 +22,11 @@ settings.load_profile("torch_gdr_ci" if os.environ.get("CI") else "torch_gdr")
 
 
 # PyPTO writes ./output, ~/.pypto and ~/ascend unless torch_gdr redirects it first (an
-# `import pypto` that bypasses torch_gdr.ops.pypto does not). Fail the run if any test
-# leaves them behind.
-_LITTER = [os.path.join(os.getcwd(), "output"), os.path.expanduser("~/.pypto"), os.path.expanduser("~/ascend")]
+# `import pypto` that bypasses torch_gdr.ops.pypto does not), and pytest-benchmark makes
+# ./.benchmarks in every session it is loaded in (pytest.ini disables it for the tests).
+# Fail the run if any of them appears.
+_LITTER = [os.path.join(os.getcwd(), "output"), os.path.join(os.getcwd(), ".benchmarks"),
+           os.path.expanduser("~/.pypto"), os.path.expanduser("~/ascend")]
 _present_at_start = {path for path in _LITTER if os.path.exists(path)}
 
 
@@ -32,6 +34,7 @@ def pytest_sessionfinish(session, exitstatus):
     created = [path for path in _LITTER if os.path.exists(path) and path not in _present_at_start]
     if created:
         session.config.get_terminal_writer().line(
-            f"tests left PyPTO files behind: {', '.join(created)} (import pypto through torch_gdr.ops.pypto)",
+            f"tests left files behind: {', '.join(created)} (import pypto through torch_gdr.ops.pypto; "
+            "run the tests without the pytest-benchmark plugin)",
             red=True)
         session.exitstatus = 1

@@ -13,12 +13,13 @@ Each sequence is cut into chunks of ``C`` tokens. With ``gamma`` the cumulative 
 The call is processed a *segment* of ``G`` chunks at a time (all heads of the sequences
 still running at once, chunk-major ``[G, nh, C, D]``, see
 :mod:`torch_gdr.ref.chunk_layout`): temporaries stay O(segment) whatever T is, and every
-parallel step is one batched matmul over the ``G * nh`` chunk matrices of the segment. Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that
-``Q K^T`` and ``K K^T`` are one matmul, and ``(I + A)^-1`` is a blocked inverse
+parallel step is one batched matmul over the ``G * nh`` chunk matrices of the segment.
+Within a segment the query and key of a chunk are stacked ``[Q; K]`` so that ``Q K^T``
+and ``K K^T`` are one matmul, and ``(I + A)^-1`` is a blocked inverse
 (:mod:`torch_gdr.ref.triangular`). Only the state recurrence loops over chunks, writing
 into the segment's block of states (:mod:`torch_gdr.ref.chunk_states`; no per-chunk
-copies); the large temporaries of a segment live
-in a :class:`Workspace` reused by every segment of the call.
+copies); the large temporaries of a segment live in a :class:`Workspace` reused by every
+segment of the call.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def state_scan(seg: Segment, slots: Sequence[Tensor]) -> None:
     """
     # Per-chunk views made once (unbind): indexing in the loop costs Python time per op.
     u, w, k_decayed_t, chunk_decay = (x.unbind(0) for x in (seg.u, seg.w, seg.k_decayed.mT, seg.chunk_decay))
-    s = slots
+    s = slots  # S_c
     for c in range(len(u)):
         u[c].baddbmm_(w[c], s[c], alpha=-1)
         torch.mul(s[c], chunk_decay[c], out=s[c + 1])

@@ -12,8 +12,7 @@ Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_g
 
 The forward saves the inputs and, where it can (the eager autograd path), the
 chunk-boundary states ``S_c`` (:mod:`torch_gdr.ref.chunk_states`); everything else is
-recomputed.
-The backward runs in up to two passes over segments of a few chunks
+recomputed. The backward runs in up to two passes over segments of a few chunks
 (:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are O(segment): pass 1,
 only when the states were not saved (the op's registered autograd saves nothing but the
 inputs), recomputes them by a forward scan; pass 2 walks the segments and chunks in reverse,
@@ -68,8 +67,8 @@ from typing import Optional
 import torch
 
 from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
-from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ref.chunk_states import ChunkStates
 
 Tensor = torch.Tensor
 
@@ -130,8 +129,8 @@ def chunk_gated_delta_rule_bwd(
     for i, (c0, c1) in reversed(list(enumerate(layout.segments()))):
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
         nh = ws.nh
-        _segment_backward(layout, seg, grad_o, states.block(i), ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim),
-                          carry[:nh], scale, grads, c0, c1, ws)
+        d_states = ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim)
+        _segment_backward(layout, seg, grad_o, states.block(i), d_states, carry[:nh], scale, grads, c0, c1, ws)
         del seg
     d_initial = None
     if initial_state is not None:

@@ -17,7 +17,7 @@ padded to the longest. States are handed over in that order (``sort_states``,
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -86,7 +86,6 @@ class ChunkLayout:
             c1 = min(self.num_chunks, c0 + max(1, segment_matrices // max(1, self.active(c0) * self.num_v_heads)))
             self._segments.append((c0, c1))
             c0 = c1
-        self.segment = max((c1 - c0 for c0, c1 in self._segments), default=1)  # chunks, at most
         self.segment_capacity = max(((c1 - c0) * self.active(c0) * self.num_v_heads for c0, c1 in self._segments),
                                     default=1)  # matrices, at most
 
@@ -106,9 +105,9 @@ class ChunkLayout:
         out[self.order] = x
         return out
 
-    def segments(self, reverse: bool = False) -> Iterator[tuple[int, int]]:
-        """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``."""
-        yield from (reversed(self._segments) if reverse else self._segments)
+    def segments(self) -> list[tuple[int, int]]:
+        """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``, in order."""
+        return list(self._segments)
 
     def _gather_index(self, c0: int, c1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Varlen, chunks ``[c0, c1)`` of the ``n = active(c0)`` active sequences, ``L =

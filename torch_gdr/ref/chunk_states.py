@@ -41,7 +41,7 @@ class ChunkStates:
     def __init__(self, layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,
                  keep: bool, storage: Optional[Tensor] = None) -> None:
         self.layout = layout
-        self.segments = list(layout.segments())
+        self.segments = layout.segments()
         hv = layout.num_v_heads
         self.widths = [layout.active(c0) * hv for c0, _ in self.segments]  # nh of each segment
         sizes = [(c1 - c0) * nh for (c0, c1), nh in zip(self.segments, self.widths)]

@@ -272,9 +272,12 @@ def test_final_state_fed_back_equals_one_call_grads() -> None:
         assert (leaves[n].grad - one[n]).abs().max().item() < 1e-10, n
 
 
+@pytest.mark.parametrize("path", ["public", "op"], ids=["saved_states", "op_recomputes"])
 @pytest.mark.parametrize("segment_matrices", [1, 3, 1000])
-def test_segment_sizes_agree(monkeypatch, segment_matrices: int) -> None:
-    """The call is processed in segments of chunks; any segment size gives the same gradients."""
+def test_segment_sizes_agree(monkeypatch, segment_matrices: int, path: str) -> None:
+    """The call is processed in segments of chunks (split into groups of sequences where one
+    chunk of all of them is too many matrices: sizes 1 and 3 here); any segment size gives
+    the same gradients."""
     import torch_gdr.ref.chunk_layout as chunk_layout
 
     monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", segment_matrices)
@@ -282,7 +285,7 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int) -> None:
     case = Case(seq_len=75, cu_seqlens=(0, 10, 10, 75), heads=1, v_heads=2)
     data = make_inputs(case, torch.float64)
     ref = reference_grads(case, data)
-    out = _loss_grads(_public("torch"), case, data["tensors"], data["do"], data["dht"])
+    out = _loss_grads(_public("torch") if path == "public" else _op, case, data["tensors"], data["do"], data["dht"])
     for n in ref:
         assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
 

@@ -71,3 +71,42 @@ def test_forward_saves_what_the_backward_reads() -> None:
     torch.testing.assert_close(final_saved, final, atol=0, rtol=0)
     layout = ChunkLayout(inputs["v"], inputs["cu_seqlens"], 16)
     assert storage.shape[0] == ChunkStates(layout, None, 8, 8, keep=True).storage.shape[0]
+
+
+def test_scratch_stays_bounded_with_many_packed_sequences() -> None:
+    """One chunk of every sequence would be 2000 matrices: the layout splits that chunk into
+    groups of sequences, so no segment (and no workspace) exceeds twice the target."""
+    lengths = [3] * 1000 + [100]
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    v = torch.zeros(1, sum(lengths), 2, 8)
+    layout = ChunkLayout(v, cu_seqlens, 16, segment_matrices=24)
+    assert layout.segment_capacity <= 2 * 24
+    covered = {}
+    for span in layout.segments():  # every (chunk, sequence) with tokens is in exactly one span
+        for c in range(span.c0, span.c1):
+            for n in range(span.n0, span.n1):
+                covered[(c, n)] = covered.get((c, n), 0) + 1
+    expected = {(c, n) for n, chunks in enumerate(layout.seq_chunks) for c in range(chunks)}
+    assert expected <= set(covered) and set(covered.values()) == {1}
+
+
+def test_many_packed_sequences_match_the_recurrence(monkeypatch) -> None:
+    """Spans of a few sequences each (segment target 4 matrices, 2 value heads)."""
+    import torch_gdr.ref.chunk_layout as chunk_layout
+
+    monkeypatch.setattr(chunk_layout.ChunkLayout.__init__, "__defaults__", (4,))
+    inputs = make_inputs(seqlens=[5, 40, 0, 17, 3, 33, 1, 20], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
+                         head_v_dim=8, with_initial_state=True, dtype=torch.float64)
+    leaves = {n: x.clone().requires_grad_() for n, x in inputs.items() if isinstance(x, torch.Tensor)
+              and x.is_floating_point()}
+    o, final = torch_gdr.chunk_gated_delta_rule(**dict(inputs, **leaves), output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, chunk_size=16)
+    (o.sum() + final.square().sum()).backward()
+    ref_leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()}
+    ref_o, ref_final = naive_recurrent_gated_delta_rule(**dict(inputs, **ref_leaves), output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    (ref_o.sum() + ref_final.square().sum()).backward()
+    torch.testing.assert_close(o, ref_o, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, ref_final, atol=1e-10, rtol=1e-10)
+    for n, x in ref_leaves.items():
+        torch.testing.assert_close(leaves[n].grad, x.grad, atol=1e-8, rtol=1e-8, msg=n)

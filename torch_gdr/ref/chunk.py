@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ref.chunk_layout import ChunkLayout, Span
 from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.triangular import unit_lower_inverse
 
@@ -133,9 +133,9 @@ class Workspace:
         self.nh = layout.num_matrices
         self.buffers: dict[str, Tensor] = {}
 
-    def activate(self, c0: int) -> int:
-        """Size the next requests for the segment starting at chunk ``c0``; returns nh."""
-        self.nh = self.layout.active(c0) * self.layout.num_v_heads
+    def activate(self, span: Span) -> int:
+        """Size the next requests for ``span``; returns its number of matrices, nh."""
+        self.nh = (span.n1 - span.n0) * self.layout.num_v_heads
         return self.nh
 
     def __call__(self, name: str, num: int, *inner: int) -> Tensor:
@@ -161,24 +161,24 @@ class Workspace:
 
 
 def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                 use_qk_l2norm_in_kernel: bool, c0: int, c1: int, ws: Workspace,
+                 use_qk_l2norm_in_kernel: bool, span: Span, ws: Workspace,
                  states_only: bool = False, scale_attn: bool = True) -> Segment:
-    """Gather chunks ``[c0, c1)`` of the call and compute their parallel part (in buffers of
+    """Gather the chunks and sequences of ``span`` and compute their parallel part (in buffers of
     ``ws``, valid until the next segment). With ``states_only`` the query side (rows ``:C``
     of ``qk`` and ``sim``) is left unset: enough for :func:`state_scan`, not for outputs.
     Without ``scale_attn`` the attention rows hold ``(y_q K^T) * Gamma`` without the
     ``scale`` (the caller applies it, e.g. as a matmul's alpha)."""
-    num, c = c1 - c0, layout.chunk_size
+    num, c = span.num, layout.chunk_size
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
-    ws.activate(c0)
+    ws.activate(span)
     qk = ws("qk", num, 2 * c, head_k_dim)
     rnorm = ws("rnorm", num, 2 * c, 1) if use_qk_l2norm_in_kernel else None
     if not states_only:
-        layout.load(q, c0, c1, out=qk[:, :, :c], rnorm_out=None if rnorm is None else rnorm[:, :, :c])
-    key = layout.load(k, c0, c1, out=qk[:, :, c:], rnorm_out=None if rnorm is None else rnorm[:, :, c:])
+        layout.load(q, span, out=qk[:, :, :c], rnorm_out=None if rnorm is None else rnorm[:, :, :c])
+    key = layout.load(k, span, out=qk[:, :, c:], rnorm_out=None if rnorm is None else rnorm[:, :, c:])
     rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
-    gamma = layout.load(g, c0, c1, out=ws("gamma", num, c)).cumsum_(-1)
-    beta_c = layout.load(beta, c0, c1, out=ws("beta", num, c))
+    gamma = layout.load(g, span, out=ws("gamma", num, c)).cumsum_(-1)
+    beta_c = layout.load(beta, span, out=ws("beta", num, c))
     gamma_exp = torch.exp(gamma, out=ws("gamma_exp", num, c))
     decay = pairwise_decay(gamma, out=ws("decay", num, c, c))
 
@@ -197,7 +197,7 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     inverse = unit_lower_inverse(torch.mul(gram, neg_beta[..., :, None], out=scratch),
                                  out=ws.unit_lower("inverse", num, c), negated=True, out_is_unit=True)
 
-    v_c = layout.load(v, c0, c1, out=ws("v", num, c, head_v_dim))
+    v_c = layout.load(v, span, out=ws("v", num, c, head_v_dim))
     # Separate contiguous U and W: the scan's in-place matmuls on a strided view would fall
     # back to one matmul per matrix. The per-token factors scale the columns of T (C x C)
     # rather than the rows of V and K (C x D): U = (T diag(beta)) V, W = (T diag(beta e^gamma)) K.
@@ -243,15 +243,15 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=save_states)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     ws = Workspace(layout)
-    for i, (c0, c1) in enumerate(layout.segments()):
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws, scale_attn=False)
-        num = c1 - c0
+    for i, span in enumerate(layout.segments()):
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, span, ws, scale_attn=False)
+        num = span.num
         state_scan(seg, states.scan_slots(i))
         q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
                               out=ws("q_decayed", num, *seg.query.shape[2:]))
         out = bmm(q_decayed, states.block(i), out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u), alpha=scale)  # attn is unscaled
-        layout.store(o, out, c0, c1)
+        layout.store(o, out, span)
         states.hand_over(i)
     final_shape = (layout.num_seqs, layout.num_v_heads, head_k_dim, head_v_dim)
     final_state = layout.unsort_states(states.final.view(final_shape))

@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 
 from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
-from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ref.chunk_layout import ChunkLayout, Span
 from torch_gdr.ref.chunk_states import ChunkStates
 
 Tensor = torch.Tensor
@@ -114,9 +114,8 @@ def chunk_gated_delta_rule_bwd(
         states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=True, storage=chunk_states)
     else:  # Pass 1: the state entering every chunk.
         states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=True)
-        for i, (c0, c1) in enumerate(layout.segments()):
-            seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws,
-                               states_only=True)
+        for i, span in enumerate(layout.segments()):
+            seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, span, ws, states_only=True)
             state_scan(seg, states.scan_slots(i))
             states.hand_over(i)
             del seg
@@ -126,11 +125,11 @@ def chunk_gated_delta_rule_bwd(
     state_shape = (layout.num_matrices, head_k_dim, head_v_dim)
     carry = torch.zeros(state_shape, dtype=layout.dtype, device=layout.device) if grad_final_state is None else (
         layout.sort_states(grad_final_state.to(layout.dtype)).reshape(state_shape).clone())
-    for i, (c0, c1) in reversed(list(enumerate(layout.segments()))):
-        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, c0, c1, ws)
-        nh = ws.nh
-        d_states = ws("d_states", c1 - c0 + 1, head_k_dim, head_v_dim)
-        _segment_backward(layout, seg, grad_o, states.block(i), d_states, carry[:nh], scale, grads, c0, c1, ws)
+    for i, span in reversed(list(enumerate(layout.segments()))):
+        seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, span, ws)
+        d_states = ws("d_states", span.num + 1, head_k_dim, head_v_dim)
+        _segment_backward(layout, seg, grad_o, states.block(i), d_states,
+                          carry[span.matrices(layout.num_v_heads)], scale, grads, span, ws)
         del seg
     d_initial = None
     if initial_state is not None:
@@ -139,13 +138,12 @@ def chunk_gated_delta_rule_bwd(
 
 
 def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: Tensor, d_states: Tensor,
-                      carry: Tensor, scale: float, grads: tuple[Tensor, ...], c0: int, c1: int,
-                      ws: Workspace) -> None:
-    """Backward of chunks ``[c0, c1)``: ``s_in [G, NH, K, V]`` the states entering them,
-    ``d_states [G + 1, NH, K, V]`` scratch, ``carry [NH, K, V]`` the gradient w.r.t. the
-    state leaving the segment on entry and entering it on return; writes the segment's
+                      carry: Tensor, scale: float, grads: tuple[Tensor, ...], span: Span, ws: Workspace) -> None:
+    """Backward of ``span``: ``s_in [G, nh, K, V]`` the states entering its chunks,
+    ``d_states [G + 1, nh, K, V]`` scratch, ``carry [nh, K, V]`` (a view) the gradient
+    w.r.t. the state leaving the span on entry and entering it on return; writes the span's
     tokens of ``grads = (dq, dk, dv, dg, dbeta)``."""
-    num, c = c1 - c0, layout.chunk_size
+    num, c = span.num, layout.chunk_size
     head_v_dim = seg.v.shape[-1]
     query, key, gamma_exp = seg.query, seg.key, seg.gamma_exp
 
@@ -157,7 +155,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     head_k_dim = key.shape[-1]
     xo = ws("xo", num, 2 * c, head_v_dim)
     do, dvb = xo[:, :, :c], xo[:, :, c:]  # X = [dO; dVb]
-    layout.load(grad_o, c0, c1, out=do)
+    layout.load(grad_o, span, out=do)
     dv_new = bmm(seg.attn.mT, do, out=ws("dv_new", num, c, head_v_dim))
     d_states[num].copy_(carry)
     q_decayed = torch.mul(query, (gamma_exp * scale)[..., None], out=ws("q_decayed", num, c, head_k_dim))
@@ -227,4 +225,4 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
         dq.sub_(query * (query * dq).sum(-1, keepdim=True)).mul_(r_q)
         dk.sub_(key * (key * dk).sum(-1, keepdim=True)).mul_(r_k)
     for grad, value in zip(grads, (dq, dk, dv, dg, dbeta)):
-        layout.store(grad, value, c0, c1)
+        layout.store(grad, value, span)

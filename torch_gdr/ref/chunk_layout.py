@@ -11,13 +11,14 @@ a group are summed onto its query/key head on the way out.
 Varlen: the sequences are ordered by decreasing length, so that the sequences still
 running at chunk ``c`` are a prefix; a segment computes on that prefix only
 (``active(c0)`` sequences, ``active(c0) * HV`` matrices) instead of on every sequence
-padded to the longest. States are handed over in that order (``sort_states``,
+padded to the longest, and in groups of sequences (a :class:`Span`) where one chunk of all
+of them would exceed the segment's size. States are handed over in that order (``sort_states``,
 ``unsort_states``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,6 +37,25 @@ SEGMENT_MATRICES = 24
 # C = 64, D = 128 (measured on an H200: 24 matrices a segment spent ~2 ms a chunk in
 # launches at 32 heads).
 ACCELERATOR_SEGMENT_MATRICES = 2048
+
+
+class Span(NamedTuple):
+    """A segment: chunks ``[c0, c1)`` of the sequences ``[n0, n1)`` (layout order), all
+    their value heads: ``(c1 - c0) x (n1 - n0) * HV`` chunk matrices."""
+
+    c0: int
+    c1: int
+    n0: int
+    n1: int
+
+    @property
+    def num(self) -> int:
+        """The number of chunks, G."""
+        return self.c1 - self.c0
+
+    def matrices(self, num_v_heads: int) -> slice:
+        """The span's matrices among the ``N * HV`` of the call (a state's rows)."""
+        return slice(self.n0 * num_v_heads, self.n1 * num_v_heads)
 
 
 def default_segment_matrices(device: torch.device) -> int:
@@ -79,14 +99,22 @@ class ChunkLayout:
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
         # Segments: as many chunks as keep (chunks x active matrices) near segment_matrices.
-        # With varlen the active sequences thin out along the chunks, and so segments lengthen.
-        self._segments: list[tuple[int, int]] = []
+        # With varlen the active sequences thin out along the chunks, and so segments
+        # lengthen; where one chunk of every active sequence is more than twice that, the
+        # chunk is split into groups of sequences, so that scratch memory never follows N.
+        hv = self.num_v_heads
+        self._segments: list[Span] = []
         c0 = 0
         while c0 < self.num_chunks:
-            c1 = min(self.num_chunks, c0 + max(1, segment_matrices // max(1, self.active(c0) * self.num_v_heads)))
-            self._segments.append((c0, c1))
+            active = self.active(c0)
+            if active * hv <= 2 * segment_matrices:
+                c1 = min(self.num_chunks, c0 + max(1, segment_matrices // (active * hv)))
+                self._segments.append(Span(c0, c1, 0, active))
+            else:
+                c1, group = c0 + 1, max(1, segment_matrices // hv)
+                self._segments += [Span(c0, c1, n0, min(active, n0 + group)) for n0 in range(0, active, group)]
             c0 = c1
-        self.segment_capacity = max(((c1 - c0) * self.active(c0) * self.num_v_heads for c0, c1 in self._segments),
+        self.segment_capacity = max((span.num * (span.n1 - span.n0) * hv for span in self._segments),
                                     default=1)  # matrices, at most
 
     def active(self, c0: int) -> int:
@@ -105,13 +133,14 @@ class ChunkLayout:
         out[self.order] = x
         return out
 
-    def segments(self) -> list[tuple[int, int]]:
-        """Chunk ranges ``[c0, c1)`` covering ``[0, NC)``, in order."""
+    def segments(self) -> list[Span]:
+        """The spans covering every chunk of every sequence, in chunk order (spans of the
+        same chunks, different sequences, are independent)."""
         return list(self._segments)
 
-    def _gather_index(self, c0: int, c1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Varlen, chunks ``[c0, c1)`` of the ``n = active(c0)`` active sequences, ``L =
-        (c1 - c0) * C`` positions each:
+    def _gather_index(self, span: Span) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Varlen, the ``n = n1 - n0`` sequences of ``span``, ``L = (c1 - c0) * C`` positions
+        each:
 
         - ``index [n * L]``: the token at every position; past a sequence's end, the
           sequence's own last token (so that what is gathered there, zeroed by ``keep``,
@@ -123,38 +152,38 @@ class ChunkLayout:
         Built per segment (and kept for the segment's loads and stores), so that memory
         stays O(segment) however long the longest sequence."""
         cached = self._gather_cache
-        if cached is not None and cached[:2] == (c0, c1):
-            return cached[2]
-        n, c = self.active(c0), self.chunk_size
-        positions = torch.arange(c0 * c, c1 * c, device=self.device)
-        lengths, starts = self.lengths[:n, None], self.starts[:n, None]
+        if cached is not None and cached[0] == span:
+            return cached[1]
+        c = self.chunk_size
+        positions = torch.arange(span.c0 * c, span.c1 * c, device=self.device)
+        lengths, starts = self.lengths[span.n0:span.n1, None], self.starts[span.n0:span.n1, None]
         valid = positions[None, :] < lengths
         index = (starts + torch.minimum(positions[None, :], lengths - 1)).flatten()
         real = valid.flatten().nonzero().squeeze(1)
         result = (index, valid.unsqueeze(-1).to(self.dtype), real, index[real])
-        self._gather_cache = (c0, c1, result)
+        self._gather_cache = (span, result)
         return result
 
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
         c = self.chunk_size
         return c0 * c, min(c1 * c, self.seq_len)
 
-    def load(self, x: Tensor, c0: int, c1: int, out: Optional[Tensor] = None,
+    def load(self, x: Tensor, span: Span, out: Optional[Tensor] = None,
              rnorm_out: Optional[Tensor] = None) -> Tensor:
-        """Chunks ``[c0, c1)`` of ``x [B, T, Hx, *D]`` (``Hx`` divides HV) of the active
-        sequences as a new (or the given) tensor ``[c1 - c0, active(c0) * HV, C, *D]`` in the
-        compute dtype, zeros in the padding.
+        """The chunks and sequences of ``span`` from ``x [B, T, Hx, *D]`` (``Hx`` divides
+        HV) as a new (or the given) tensor ``[G, n * HV, C, *D]`` (``G = c1 - c0``, ``n =
+        n1 - n0``) in the compute dtype, zeros in the padding.
 
-        With ``rnorm_out [c1 - c0, active(c0) * HV, C, 1]``, the rows (last dim) are
+        With ``rnorm_out [G, n * HV, C, 1]``, the rows (last dim) are
         l2-normalised on the way in, ``x / sqrt(|x|^2 + eps)``, in the same single pass over
         the destination, and their factors ``1 / sqrt(|x|^2 + eps)`` are written to
         ``rnorm_out``."""
-        g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
+        g, n, c, hv = span.num, span.n1 - span.n0, self.chunk_size, self.num_v_heads
         if out is None:
             out = torch.empty((g, n * hv, c) + tuple(x.shape[3:]), dtype=self.dtype, device=x.device)
         keep = None  # varlen: [N, L, 1], zeros past each sequence's end
         if self.varlen:
-            index, keep, _, _ = self._gather_index(c0, c1)
+            index, keep, _, _ = self._gather_index(span)
             tokens = torch.index_select(x[0], 0, index).view((n, g * c) + tuple(x.shape[2:]))  # [N, G*C, Hx, *D]
             if tokens.dim() == 3:  # per-token scalars (g, beta): zero the padding in place
                 tokens = tokens.mul_(keep)
@@ -162,8 +191,8 @@ class ChunkLayout:
             else:
                 keep = keep.unsqueeze(-1)  # [N, L, 1, 1]
         else:
-            t0, t1 = self._token_span(c0, c1)
-            tokens = x[:, t0:t1]
+            t0, t1 = self._token_span(span.c0, span.c1)
+            tokens = x[span.n0:span.n1, t0:t1]
         factor = keep
         if rnorm_out is not None:
             factor = torch.linalg.vector_norm(tokens, dim=-1, keepdim=True, dtype=self.dtype)
@@ -199,23 +228,24 @@ class ChunkLayout:
         if full < length:  # a partial tail chunk (batched, no cu_seqlens)
             put(dst[-1, :, :, :, : length - full], lambda x: x[:, full:].movedim(1, 2).unsqueeze(2))
 
-    def store(self, dst: Tensor, src: Tensor, c0: int, c1: int) -> None:
-        """Write ``src [c1 - c0, active(c0) * HV, C, *D]`` into chunks ``[c0, c1)`` of
+    def store(self, dst: Tensor, src: Tensor, span: Span) -> None:
+        """Write ``src [G, n * HV, C, *D]`` into the chunks and sequences of ``span`` in
         ``dst [B, T, Hx, *D]``; with ``Hx < HV`` the value heads of a group are summed onto
         their q/k head."""
-        g, n, c, hv = c1 - c0, self.active(c0), self.chunk_size, self.num_v_heads
+        g, n, c, hv = span.num, span.n1 - span.n0, self.chunk_size, self.num_v_heads
         heads, rest = dst.shape[2], tuple(src.shape[3:])
         src = src.unflatten(1, (n, heads, hv // heads))
         src = src.sum(3) if hv != heads else src.squeeze(3)  # [G, N, Hx, C, *D]
         chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
         if self.varlen:
-            _, _, real, real_index = self._gather_index(c0, c1)
+            _, _, real, real_index = self._gather_index(span)
             tokens = chunked.reshape((n * g * c, heads) + rest)
             dst[0].index_copy_(0, real_index, tokens.index_select(0, real).to(dst.dtype))
             return
-        t0, t1 = self._token_span(c0, c1)
+        t0, t1 = self._token_span(span.c0, span.c1)
         full = (t1 - t0) // c  # whole chunks: one strided copy, no intermediate
+        rows = dst[span.n0:span.n1]
         if full:
-            dst[:, t0:t0 + full * c].unflatten(1, (full, c)).copy_(chunked[:, :full])
+            rows[:, t0:t0 + full * c].unflatten(1, (full, c)).copy_(chunked[:, :full])
         if t0 + full * c < t1:
-            dst[:, t0 + full * c:t1].copy_(chunked[:, full, : t1 - t0 - full * c])
+            rows[:, t0 + full * c:t1].copy_(chunked[:, full, : t1 - t0 - full * c])

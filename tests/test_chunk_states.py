@@ -32,17 +32,14 @@ def test_storage_follows_the_tokens_for_skewed_packing() -> None:
     assert states.storage.shape[0] * 20 < dense
 
 
-def test_skewed_packing_matches_the_recurrence_with_gradients() -> None:
-    chunk = 16
-    inputs = make_inputs(seqlens=_skewed_lengths(chunk)[:30], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
-                         head_v_dim=8, with_initial_state=True, dtype=torch.float64)
+def _assert_matches_recurrence(inputs: dict, chunk_size: int) -> None:
+    """Outputs, final states and every gradient of the public call (fp64) against the
+    recurrence, with a loss on o and on the final state."""
     leaves = {n: x.clone().requires_grad_() for n, x in inputs.items() if isinstance(x, torch.Tensor)
               and x.is_floating_point()}
-    args = dict(inputs, **leaves)
-    o, final = torch_gdr.chunk_gated_delta_rule(**args, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                                chunk_size=chunk)
+    o, final = torch_gdr.chunk_gated_delta_rule(**dict(inputs, **leaves), output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
     (o.sum() + final.square().sum()).backward()
-    got = {n: x.grad for n, x in leaves.items()}
     ref_leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()}
     ref_o, ref_final = naive_recurrent_gated_delta_rule(**dict(inputs, **ref_leaves), output_final_state=True,
                                                         use_qk_l2norm_in_kernel=True)
@@ -50,7 +47,14 @@ def test_skewed_packing_matches_the_recurrence_with_gradients() -> None:
     torch.testing.assert_close(o, ref_o, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(final, ref_final, atol=1e-10, rtol=1e-10)
     for n, x in ref_leaves.items():
-        torch.testing.assert_close(got[n], x.grad, atol=1e-8, rtol=1e-8, msg=n)
+        torch.testing.assert_close(leaves[n].grad, x.grad, atol=1e-8, rtol=1e-8, msg=n)
+
+
+def test_skewed_packing_matches_the_recurrence_with_gradients() -> None:
+    chunk = 16
+    inputs = make_inputs(seqlens=_skewed_lengths(chunk)[:30], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
+                         head_v_dim=8, with_initial_state=True, dtype=torch.float64)
+    _assert_matches_recurrence(inputs, chunk)
 
 
 def test_saved_storage_must_match_the_layout() -> None:
@@ -97,16 +101,4 @@ def test_many_packed_sequences_match_the_recurrence(monkeypatch) -> None:
     monkeypatch.setattr(chunk_layout.ChunkLayout.__init__, "__defaults__", (4,))
     inputs = make_inputs(seqlens=[5, 40, 0, 17, 3, 33, 1, 20], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
                          head_v_dim=8, with_initial_state=True, dtype=torch.float64)
-    leaves = {n: x.clone().requires_grad_() for n, x in inputs.items() if isinstance(x, torch.Tensor)
-              and x.is_floating_point()}
-    o, final = torch_gdr.chunk_gated_delta_rule(**dict(inputs, **leaves), output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True, chunk_size=16)
-    (o.sum() + final.square().sum()).backward()
-    ref_leaves = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()}
-    ref_o, ref_final = naive_recurrent_gated_delta_rule(**dict(inputs, **ref_leaves), output_final_state=True,
-                                                        use_qk_l2norm_in_kernel=True)
-    (ref_o.sum() + ref_final.square().sum()).backward()
-    torch.testing.assert_close(o, ref_o, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(final, ref_final, atol=1e-10, rtol=1e-10)
-    for n, x in ref_leaves.items():
-        torch.testing.assert_close(leaves[n].grad, x.grad, atol=1e-8, rtol=1e-8, msg=n)
+    _assert_matches_recurrence(inputs, 16)

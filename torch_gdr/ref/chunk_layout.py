@@ -18,6 +18,8 @@ of them would exceed the segment's size. States are handed over in that order (`
 
 from __future__ import annotations
 
+import bisect
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -118,8 +120,9 @@ class ChunkLayout:
                                     default=1)  # matrices, at most
 
     def active(self, c0: int) -> int:
-        """The number of sequences that still have tokens in chunk ``c0`` (a prefix)."""
-        return sum(1 for n in self.seq_chunks if n > c0)
+        """The number of sequences that still have tokens in chunk ``c0`` (a prefix: the
+        chunk counts are in decreasing order)."""
+        return bisect.bisect_left(self.seq_chunks, -c0, key=operator.neg)
 
     def sort_states(self, x: Tensor) -> Tensor:
         """``[N, ...]`` per-sequence tensor in the layout's order of sequences."""

@@ -74,7 +74,7 @@ def pairwise_decay(gamma: Tensor, out: Optional[Tensor] = None) -> Tensor:
 
 @dataclass
 class Segment:
-    """The parallel part of chunks ``[c0, c1)``: everything but the state recurrence.
+    """The parallel part of a span's chunks: everything but the state recurrence.
 
     Shapes are chunk-major ``[G, NH, ...]``; ``C`` tokens per chunk.
     """
@@ -149,14 +149,13 @@ class Workspace:
         return buf[:need].view(shape)
 
     def unit_lower(self, name: str, num: int, c: int) -> Tensor:
-        """Like ``self(name, num, c, c)``, for :func:`unit_lower_inverse` outputs only: every
-        ``C x C`` slot of the buffer holds ones on its diagonal and zeros above it (set once
-        when the buffer is allocated; the inverse writes only strictly lower entries)."""
+        """Like ``self(name, num, c, c)``, for :func:`unit_lower_inverse` outputs only (its
+        ``out_is_unit``): the buffer is zeroed once when allocated, and the inverse writes
+        only on and below the diagonal of each ``C x C`` slot, so zeros stay above it."""
         buf = self.buffers.get(name)
         out = self(name, num, c, c)
         if self.buffers[name] is not buf:
-            flat = self.buffers[name].view(-1, c, c)
-            flat.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
+            self.buffers[name].zero_()
         return out
 
 

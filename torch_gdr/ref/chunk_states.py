@@ -43,7 +43,6 @@ class ChunkStates:
 
     def __init__(self, layout: ChunkLayout, initial_state: Optional[Tensor], head_k_dim: int, head_v_dim: int,
                  keep: bool, storage: Optional[Tensor] = None) -> None:
-        self.layout = layout
         self.segments = layout.segments()
         hv = layout.num_v_heads
         self.rows = [span.matrices(hv) for span in self.segments]

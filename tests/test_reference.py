@@ -135,3 +135,20 @@ def test_all_sequences_empty_returns_a_copy_of_the_initial_state(backend: str, s
     assert torch.equal(s, inputs["initial_state"])
     s.add_(1.0)  # the result is the caller's own tensor, not an alias of the input
     assert not torch.equal(s, inputs["initial_state"])
+
+
+@pytest.mark.parametrize("gate", [-30.0, 0.5], ids=["strong_decay", "growth"])
+def test_pairwise_decay_is_finite_and_masked(gate: float) -> None:
+    """Gamma = exp(gamma_r - gamma_s) on and below the diagonal and exactly 0 above it, even
+    where the differences above the diagonal would overflow the exp (30 x 63 under strong
+    decay), and with positive log decays (growth) below it."""
+    from torch_gdr.ref.chunk import pairwise_decay
+
+    gamma = (gate + 0.1 * torch.randn(3, 2, 64, dtype=torch.float64)).cumsum(-1)
+    decay = pairwise_decay(gamma)
+    rows, cols = torch.tril_indices(64, 64)
+    expected = torch.zeros(3, 2, 64, 64, dtype=torch.float64)
+    expected[..., rows, cols] = (gamma[..., rows] - gamma[..., cols]).exp()
+    assert torch.isfinite(decay).all()
+    assert (decay.triu(1) == 0).all()
+    torch.testing.assert_close(decay, expected, rtol=1e-12, atol=0)

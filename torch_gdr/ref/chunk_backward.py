@@ -69,6 +69,7 @@ import torch
 from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
 from torch_gdr.ref.chunk_layout import ChunkLayout, Span
 from torch_gdr.ref.chunk_states import ChunkStates
+from torch_gdr.ref.utils import lower_mask
 
 Tensor = torch.Tensor
 
@@ -189,7 +190,7 @@ def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: T
     # dK = [scale (dP Gamma)^T | dB + dB^T] [y_q; K] + ...
     lhs = ws("lhs", num, c, 2 * c)
     torch.mul(dp.mT, scale, out=lhs[..., :c])
-    da = xv[:, :, c:].tril_(-1).neg_()  # dA
+    da = xv[:, :, c:].mul_(lower_mask(c, layout.device, layout.dtype, strict=True)).neg_()  # dA
     dbeta = (dvb * seg.v).sum(-1)
     dbeta += (da * seg.gram).sum(-1)
     da.mul_(seg.beta[..., None])  # dG

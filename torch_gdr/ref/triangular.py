@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from torch_gdr.ref.utils import lower_mask
+
 BLOCK = 16
 
 
@@ -60,9 +62,10 @@ def unit_lower_inverse(a: torch.Tensor, out: Optional[torch.Tensor] = None, *, n
             inv.zero_()
 
     # 1. T_ii = (I + X)(I + X^2)(I + X^4)...,  X = N_ii (strictly lower), all blocks at once.
-    x = _diagonal_blocks(a3, block).tril(-1).reshape(-1, block, block)  # a contiguous copy
+    strictly_lower = lower_mask(block, a3.device, a3.dtype, strict=True)
     if not negated:
-        x.neg_()
+        strictly_lower = -strictly_lower
+    x = torch.mul(_diagonal_blocks(a3, block), strictly_lower).reshape(-1, block, block)  # a contiguous copy
     t_diag = x.clone()
     t_diag.diagonal(dim1=-2, dim2=-1).fill_(1)
     power, reach = x, 2  # reach: the number of terms of sum_j X^j that t_diag holds

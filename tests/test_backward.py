@@ -8,6 +8,7 @@ bf16 calls (float32 accumulation) to the anchors' tolerances.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -101,7 +102,7 @@ def _public(backend: str):
 
 def _op(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
     """The op itself: its registered autograd saves only the inputs, so its backward
-    recomputes the chunk states (the public call in eager mode keeps them instead)."""
+    recomputes the chunk states (the public call keeps them instead)."""
     return torch.ops.gdr.chunked_gated_delta_rule(q, k, v, g, beta, scale, h0, output_final_state, case.l2norm,
                                                   cu, case.chunk, case.state_v_first)
 
@@ -245,6 +246,41 @@ def test_opcheck(case: Case) -> None:
                           + (case.scale, h0.detach(), case.l2norm, cu, case.chunk, case.state_v_first))
 
 
+@pytest.mark.parametrize("case", [Case(seq_len=20, heads=1, v_heads=2),
+                                  Case(seq_len=19, l2norm=True, cu_seqlens=(0, 0, 5, 19), state_v_first=True)],
+                         ids=["plain", "varlen"])
+def test_opcheck_keeping_states(case: Case) -> None:
+    """The private forward op (with its data-dependent states size under varlen) and the
+    backward op given its states."""
+    data = make_inputs(case, torch.float32)
+    t = data["tensors"]
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    args = tuple(t[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta"))
+    h0 = t["initial_state"].detach().clone().requires_grad_()
+    options = (case.l2norm, cu, case.chunk, case.state_v_first)
+    forward = torch.ops.gdr._chunked_forward_with_states.default
+    torch.library.opcheck(forward, args + (case.scale, h0, True) + options)
+    with torch.no_grad():
+        _, _, states = forward(*args, case.scale, h0, True, *options)
+    grad_o, dht = torch.randn_like(t["v"]), torch.randn_like(t["initial_state"])
+    torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule_backward.default,
+                          (grad_o, dht) + tuple(a.detach() for a in args) + (case.scale, h0.detach()) + options
+                          + (states,))
+
+
+def test_chunk_states_of_another_shape_are_refused() -> None:
+    case = Case(seq_len=40, cu_seqlens=(0, 7, 40), heads=1, v_heads=2)
+    t = make_inputs(case, torch.float64)["tensors"]
+    cu = torch.tensor(case.cu_seqlens)
+    tensors = tuple(t[n] for n in ("q", "k", "v", "g", "beta"))
+    _, _, states = torch.ops.gdr._chunked_forward_with_states(*tensors, None, None, False, False, cu, case.chunk)
+    for bad in (states[:-1], states[..., :-1]):
+        with pytest.raises(ValueError, match=r"chunk_states: expected shape .* got "
+                                             + re.escape(str(list(bad.shape)))):
+            torch.ops.gdr.chunked_gated_delta_rule_backward(torch.ones_like(t["v"]), None, *tensors, None, None,
+                                                            False, cu, case.chunk, False, bad)
+
+
 def test_zero_length_everywhere() -> None:
     """All sequences empty: no tokens, the initial state passes through, its gradient is dht."""
     case = Case(seq_len=0, cu_seqlens=(0, 0, 0))
@@ -290,9 +326,10 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int, path: str) -> N
         assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
 
 
-def test_eager_training_keeps_the_chunk_states(monkeypatch) -> None:
-    """The public call under autograd saves the chunk states: its backward runs no
-    recompute pass (load_segment with states_only), while the op's backward does."""
+@pytest.fixture
+def recompute_passes(monkeypatch) -> list:
+    """Records, for every load_segment call of the backward, whether it was the recompute
+    pass's (``states_only``)."""
     import torch_gdr.ref.chunk_backward as chunk_backward
 
     passes = []
@@ -303,12 +340,37 @@ def test_eager_training_keeps_the_chunk_states(monkeypatch) -> None:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(chunk_backward, "load_segment", counting)
+    return passes
+
+
+def test_eager_training_keeps_the_chunk_states(recompute_passes: list) -> None:
+    """The public call under autograd saves the chunk states: its backward runs no
+    recompute pass (load_segment with states_only), while the op's backward does."""
     case = Case(seq_len=40, cu_seqlens=(0, 7, 40), heads=1, v_heads=2)
     data = make_inputs(case, torch.float64)
     for call, recomputes in ((_public("torch"), False), (_op, True)):
-        passes.clear()
+        recompute_passes.clear()
         _loss_grads(call, case, data["tensors"], data["do"], data["dht"])
-        assert passes and any(passes) == recomputes
+        assert recompute_passes and any(recompute_passes) == recomputes
+
+
+@pytest.mark.parametrize("case", [Case(seq_len=40, heads=1, v_heads=2, l2norm=True, cu_seqlens=(0, 1, 7, 7, 40)),
+                                  Case(batch=2, seq_len=21, state_v_first=True, k_dim=12, v_dim=8,
+                                       final_grad=False)],
+                         ids=["varlen,gva,l2", "batched,v_first,no_final_state"])
+def test_compiled_training_keeps_the_chunk_states(recompute_passes: list, case: Case) -> None:
+    """Under torch.compile the public call keeps the chunk states too (the varlen states'
+    number is a data-dependent size in the graph): no recompute pass, the same gradients."""
+    data = make_inputs(case, torch.float64)
+    ref = reference_grads(case, data)
+    torch._dynamo.reset()
+    compiled = torch.compile(_public("torch"), fullgraph=True, backend="aot_eager")
+    recompute_passes.clear()
+    out = _loss_grads(compiled, case, data["tensors"], data["do"], data["dht"])
+    assert recompute_passes and not any(recompute_passes)
+    for n in ref:
+        err = (out[n] - ref[n]).abs().max().item()
+        assert err < 1e-8, f"{n}: max abs {err:.3g}"
 
 
 def test_final_state_may_be_updated_in_place_before_backward() -> None:

@@ -3,7 +3,7 @@
 | name        | what runs                                                  |
 | ----------- | ---------------------------------------------------------- |
 | "torch"     | the pure-torch chunked algorithm, any device (the op; in   |
-|             | eager training, its autograd function that keeps states)   |
+|             | training, eager or compiled, an op that keeps the states)  |
 | "recurrent" | the per-token recurrence (the definition), any device      |
 | "pypto"     | the PyPTO kernel: on Ascend NPUs, or on the CPU through    |
 |             | PyPTO's interpreter (a correctness check, not fast)        |
@@ -26,8 +26,7 @@ from torch_gdr._layout import run_in_canonical_layout
 from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.device import is_npu_device
 from torch_gdr.dispatch.pypto_backend import KERNEL_CHUNK_SIZES, pypto_backend
-from torch_gdr.ops.registration import _check_real
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ops.registration import _check_real, chunked_keeping_states
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 BACKEND_ENV_VAR = "TORCH_GDR_BACKEND"
@@ -55,18 +54,18 @@ def _records_autograd(*tensors: Optional[torch.Tensor]) -> bool:
 
 def _torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
            chunk_size, state_v_first):
-    """The pure-torch chunked algorithm. Calls that record autograd outside a trace run its
-    autograd function directly: it keeps the state entering every chunk for the backward,
-    which then skips the pass that recomputes them (the op's registered autograd can only
-    save the inputs and outputs of the op). Everything else, ``torch.compile`` included,
-    calls ``torch.ops.gdr.chunked_gated_delta_rule``; both give the same values and
-    gradients."""
-    if _records_autograd(q, k, v, g, beta, initial_state) and not torch.compiler.is_compiling():
-        _check_real(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-        return run_in_canonical_layout(chunk_gated_delta_rule_fwd, q, k, v, g, beta, scale, initial_state,
-                                       use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
-    return torch.ops.gdr.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                  use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+    """The pure-torch chunked algorithm. A call that records autograd, eager or under
+    ``torch.compile``, runs :func:`torch_gdr.ops.registration.chunked_keeping_states`: the
+    private op ``gdr::_chunked_forward_with_states`` also returns the state entering every
+    chunk, and its registered autograd hands them to the backward op, which then skips the pass
+    that recomputes them. Every other call runs ``torch.ops.gdr.chunked_gated_delta_rule``
+    (whose own autograd, saving only the op's inputs, recomputes them). Both validate the
+    call and give the same values and gradients."""
+    forward = torch.ops.gdr.chunked_gated_delta_rule
+    if _records_autograd(q, k, v, g, beta, initial_state):
+        forward = chunked_keeping_states
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                   cu_seqlens, chunk_size, state_v_first)
 
 
 BACKENDS: dict[str, BackendFn] = {"torch": _torch, "recurrent": _recurrent, "pypto": pypto_backend}

@@ -10,12 +10,12 @@ Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_g
     Qg = exp(gamma) * Q                   P  = (Q K^T) * Gamma       Kd = exp(gamma_C - gamma) * K
     O  = Qg S + P V'                      S' = exp(gamma_C) S + Kd^T V'
 
-The forward saves the inputs and, where it can (the eager autograd path), the
-chunk-boundary states ``S_c`` (:mod:`torch_gdr.ref.chunk_states`); everything else is
+The forward saves the inputs and, where it can (the public call's training path, eager or
+compiled), the chunk-boundary states ``S_c`` (:mod:`torch_gdr.ref.chunk_states`); everything else is
 recomputed. The backward runs in up to two passes over segments of a few chunks
 (:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are O(segment): pass 1,
-only when the states were not saved (the op's registered autograd saves nothing but the
-inputs), recomputes them by a forward scan; pass 2 walks the segments and chunks in reverse,
+only when the states were not saved (the public op's registered autograd saves nothing but
+the inputs), recomputes them by a forward scan; pass 2 walks the segments and chunks in reverse,
 recomputing each segment's parallel part and ``V' = U - W S`` (one batched matmul, the
 states being known), carrying ``dS`` (the gradient of the loss w.r.t. the state leaving
 the chunk, starting from the gradient on the final state)::

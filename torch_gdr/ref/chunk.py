@@ -236,8 +236,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
         seg = load_segment(layout, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, span, ws, scale_attn=False)
         num = span.num
         state_scan(seg, states.scan_slots(i))
-        q_decayed = torch.mul(seg.query, (seg.gamma_exp * scale)[..., None],
-                              out=ws("q_decayed", num, *seg.query.shape[2:]))
+        q_decayed = seg.query.mul_((seg.gamma_exp * scale)[..., None])  # the query is spent: in place
         out = bmm(q_decayed, states.block(i), out=ws("o", num, seg.query.shape[2], head_v_dim))
         batched(out).baddbmm_(batched(seg.attn), batched(seg.u), alpha=scale)  # attn is unscaled
         layout.store(o, out, span)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from _common import hf_fallback
 
 _RESULTS: dict[tuple[str, str, str], float] = {}  # (kind, shape, impl) -> median seconds
 _MEMORY: dict[tuple[str, str], float] = {}  # (shape, impl) -> peak MiB
-_PAIRED: dict[tuple[str, str], tuple[float, float, float, float]] = {}  # (kind, shape) -> see record_paired
+_PAIRED: dict[tuple[str, str], tuple] = {}  # (kind, shape) -> see record_paired
 GEMM_SIZE = 2048
 
 
@@ -74,20 +75,26 @@ def record(benchmark, kind: str, shape: str, impl: str, tokens: int, flops: floa
         info["speedup_vs_hf"] = theirs / ours
 
 
-def record_paired(kind: str, shape: str, ours: float, theirs: float, ratio: float, pct_of_gemm: float) -> None:
-    """Median seconds of each side, the median of the per-round ratios, and ours as % of
-    the GEMM ceiling (forward flops), from calls timed alternately (bench/test_bench_paired.py)."""
-    _PAIRED[(kind, shape)] = (ours, theirs, ratio, pct_of_gemm)
+def record_paired(kind: str, shape: str, ours: float, theirs: float, ratio: float, pct_of_gemm: float,
+                  pct_of_paired_gemm: Optional[float] = None) -> None:
+    """Median seconds of each side, the median of the per-round ratios, ours as % of the
+    session's GEMM ceiling (forward flops) and, where rounds timed a GEMM too, the median of
+    the per-round shares of it, from calls timed alternately (bench/test_bench_paired.py)."""
+    _PAIRED[(kind, shape)] = (ours, theirs, ratio, pct_of_gemm, pct_of_paired_gemm)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     tr = terminalreporter
     if _PAIRED:
         tr.section("torch_gdr vs HF fallback, calls alternated (medians)")
-        tr.write_line(f"{'kind':<14}{'shape':<12}{'torch_gdr ms':>14}{'hf ms':>12}{'speedup':>10}{'% of GEMM':>11}")
-        for (kind, shape), (ours, theirs, ratio, pct) in sorted(_PAIRED.items()):
-            share = f"{pct:.0f}%" if kind == "forward" else "-"  # a forward-flop share means nothing here
-            tr.write_line(f"{kind:<14}{shape:<12}{ours * 1e3:>14.1f}{theirs * 1e3:>12.1f}{ratio:>9.2f}x{share:>11}")
+        tr.write_line(f"{'kind':<14}{'shape':<12}{'torch_gdr ms':>14}{'hf ms':>12}{'speedup':>10}{'% of GEMM':>11}"
+                      f"{'% same-round GEMM':>19}")
+        for (kind, shape), (ours, theirs, ratio, pct, paired_pct) in sorted(_PAIRED.items()):
+            forward = kind == "forward"  # a forward-flop share means nothing for fwd+bwd
+            share = f"{pct:.0f}%" if forward else "-"
+            same_round = f"{paired_pct:.0f}%" if forward and paired_pct is not None else "-"
+            tr.write_line(f"{kind:<14}{shape:<12}{ours * 1e3:>14.1f}{theirs * 1e3:>12.1f}{ratio:>9.2f}x{share:>11}"
+                          f"{same_round:>19}")
     if not _RESULTS:
         return
     tr.section("torch_gdr vs HF fallback (median, this run)")

@@ -354,6 +354,39 @@ def test_eager_training_keeps_the_chunk_states(recompute_passes: list) -> None:
         assert recompute_passes and any(recompute_passes) == recomputes
 
 
+def test_backward_makes_no_gradient_for_the_kept_states() -> None:
+    """The kept chunk states are an output of the training op; autograd must not hand its
+    backward a zero "gradient" of their size (as large as the states themselves: 16 MiB at
+    T 4096, H 4, K = V = 128, a quarter of the peak memory of a training step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    case = Case(seq_len=40, heads=1, v_heads=2, k_dim=8, v_dim=12)  # 3 chunks of 16
+    states_shape = (case.batch * 3 * case.v_heads, case.k_dim, case.v_dim)
+
+    class RecordShapes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append((str(func), tuple(t.shape)))
+            return out
+
+    data = make_inputs(case, torch.float64)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in data["tensors"].items() if x is not None}
+    o, final = _public("torch")(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], None,
+                                leaves["initial_state"], True, None, case)
+    loss = (o * data["do"]).sum() + final.sum()
+    with RecordShapes() as mode:
+        loss.backward()
+    assert mode.shapes, "the mode saw no op of the backward"
+    made = [name for name, shape in mode.shapes if shape == states_shape]
+    assert not made, f"the backward made states-sized tensors: {made}"
+
+
 @pytest.mark.parametrize("case", [Case(seq_len=40, heads=1, v_heads=2, l2norm=True, cu_seqlens=(0, 1, 7, 7, 40)),
                                   Case(batch=2, seq_len=21, state_v_first=True, k_dim=12, v_dim=8,
                                        final_grad=False)],

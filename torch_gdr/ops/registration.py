@@ -207,6 +207,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first)
     if chunk_states is not None:
         ctx.mark_non_differentiable(chunk_states)
+    # Gradients of unused outputs come as None rather than zeros: a non-differentiable output
+    # would otherwise get a zero "gradient" of its own size (as large as the states).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], *_: Any) -> tuple:

@@ -24,14 +24,14 @@ def repeat_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
 
 
-_LOWER_MASKS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+_LOWER_MASKS: dict[tuple[int, bool, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def lower_mask(c: int, device: torch.device, dtype: torch.dtype, strict: bool = False) -> torch.Tensor:
     """The lower triangular ``[C, C]`` 0/1 mask (strictly lower with ``strict``), built once
     per size, device and dtype. Masking by a multiply costs a fraction of ``masked_fill_``
     or ``tril_`` on a batch of matrices."""
-    key = (-c if strict else c, device, dtype)
+    key = (c, strict, device, dtype)
     mask = _LOWER_MASKS.get(key)
     if mask is None:
         mask = torch.ones(c, c, dtype=dtype, device=device).tril(-1 if strict else 0)

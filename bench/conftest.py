@@ -37,9 +37,13 @@ def measure_gemm_gflops(size: int = GEMM_SIZE, repeats: int = 10) -> float:
     return 2 * size**3 / best / 1e9
 
 
+_CEILING: dict[str, float] = {}  # "gemm_gflops" -> the session's GEMM ceiling
+
+
 @pytest.fixture(scope="session")
 def gemm_gflops() -> float:
-    return measure_gemm_gflops()
+    _CEILING["gemm_gflops"] = measure_gemm_gflops()
+    return _CEILING["gemm_gflops"]
 
 
 @pytest.fixture
@@ -83,8 +87,65 @@ def record_paired(kind: str, shape: str, ours: float, theirs: float, ratio: floa
     _PAIRED[(kind, shape)] = (ours, theirs, ratio, pct_of_gemm, pct_of_paired_gemm)
 
 
+# The acceptance lines of the CPU performance issue, at (1, 4096, 4, 128) unless said.
+TARGET_FORWARD_SPEEDUP = 2.0
+TARGET_FORWARD_GEMM_SHARE = 60.0  # percent
+TARGET_TRAINING_SPEEDUP = 5.0
+TARGET_PER_TOKEN_SPREAD = 1.25  # largest / smallest time per token, T 1024 .. 16384
+TARGET_MEMORY_RATIO = 1 / 3
+
+
+def _acceptance_rows() -> list[tuple[str, str, float, str]]:
+    """``(line, measure, value, target)`` for every acceptance line this run measured."""
+    rows = []
+    shape = "4096x4"
+    ours, theirs = _RESULTS.get(("forward", shape, "torch_gdr")), _RESULTS.get(("forward", shape, "hf_fallback"))
+    forward_line = f"forward >= {TARGET_FORWARD_SPEEDUP:g}x HF"
+    if ours and theirs:
+        rows.append((forward_line, "separate tests", theirs / ours, f">= {TARGET_FORWARD_SPEEDUP:g}"))
+    share_line = f"forward >= {TARGET_FORWARD_GEMM_SHARE:g}% of GEMM"
+    if ours and "gemm_gflops" in _CEILING:
+        from _common import SHAPES, forward_flops
+
+        batch, seq_len, heads, dim = SHAPES[shape]
+        share = 100 * forward_flops(batch * seq_len, heads, dim) / ours / 1e9 / _CEILING["gemm_gflops"]
+        rows.append((share_line, "separate test, run's best GEMM", share, f">= {TARGET_FORWARD_GEMM_SHARE:g}"))
+    paired = _PAIRED.get(("forward", shape))
+    if paired:
+        rows.append((forward_line, "alternated calls", paired[2], f">= {TARGET_FORWARD_SPEEDUP:g}"))
+        if paired[4] is not None:
+            rows.append((share_line, "alternated, same-round GEMM", paired[4], f">= {TARGET_FORWARD_GEMM_SHARE:g}"))
+    training_line = f"fwd+bwd >= {TARGET_TRAINING_SPEEDUP:g}x HF"
+    ours, theirs = _RESULTS.get(("fwd+bwd", shape, "torch_gdr")), _RESULTS.get(("fwd+bwd", shape, "hf_fallback"))
+    if ours and theirs:
+        rows.append((training_line, "separate tests", theirs / ours, f">= {TARGET_TRAINING_SPEEDUP:g}"))
+    paired = _PAIRED.get(("fwd+bwd", shape))
+    if paired:
+        rows.append((training_line, "alternated calls", paired[2], f">= {TARGET_TRAINING_SPEEDUP:g}"))
+    per_token = [median / int(name[2:]) for (kind, name, _), median in _RESULTS.items() if kind == "scaling"]
+    if len(per_token) > 1:
+        rows.append(("fwd+bwd time per token flat within 25%", "largest / smallest, T 1024..16384",
+                     max(per_token) / min(per_token), f"<= {TARGET_PER_TOKEN_SPREAD:g}"))
+    m_ours, m_theirs = _MEMORY.get((shape, "torch_gdr")), _MEMORY.get((shape, "hf_fallback"))
+    if m_ours and m_theirs:
+        rows.append(("fwd+bwd peak memory <= 1/3 of HF", "ours / HF", m_ours / m_theirs,
+                     f"<= {TARGET_MEMORY_RATIO:.3f}"))
+    return rows
+
+
+def _holds(value: float, target: str) -> bool:
+    op, bound = target.split()
+    return value >= float(bound) if op == ">=" else value <= float(bound)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     tr = terminalreporter
+    rows = _acceptance_rows()
+    if rows:
+        tr.section("acceptance lines at 1 x 4096, H 4, K = V = 128 (this run)")
+        for line, measure, value, target in rows:
+            verdict = "holds" if _holds(value, target) else "MISSED"
+            tr.write_line(f"{line:<42}{measure:<36}{value:>8.2f}  {target:<9}{verdict}")
     if _PAIRED:
         tr.section("torch_gdr vs HF fallback, calls alternated (medians)")
         tr.write_line(f"{'kind':<14}{'shape':<12}{'torch_gdr ms':>14}{'hf ms':>12}{'speedup':>10}{'% of GEMM':>11}"

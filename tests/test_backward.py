@@ -317,7 +317,6 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int, path: str) -> N
     import torch_gdr.ref.chunk_layout as chunk_layout
 
     monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", segment_matrices)
-    monkeypatch.setattr(chunk_layout.ChunkLayout.__init__, "__defaults__", (segment_matrices,))
     case = Case(seq_len=75, cu_seqlens=(0, 10, 10, 75), heads=1, v_heads=2)
     data = make_inputs(case, torch.float64)
     ref = reference_grads(case, data)

@@ -98,7 +98,34 @@ def test_many_packed_sequences_match_the_recurrence(monkeypatch) -> None:
     """Spans of a few sequences each (segment target 4 matrices, 2 value heads)."""
     import torch_gdr.ref.chunk_layout as chunk_layout
 
-    monkeypatch.setattr(chunk_layout.ChunkLayout.__init__, "__defaults__", (4,))
+    monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", 4)
     inputs = make_inputs(seqlens=[5, 40, 0, 17, 3, 33, 1, 20], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
                          head_v_dim=8, with_initial_state=True, dtype=torch.float64)
     _assert_matches_recurrence(inputs, 16)
+
+
+def test_varlen_layouts_are_shared_by_calls_of_one_packing(monkeypatch) -> None:
+    """A call's backward and every layer of a model see the same cu_seqlens: they share one
+    layout (its segments and gather indices), keyed by everything the layout depends on."""
+    import torch_gdr.ref.chunk_layout as chunk_layout
+
+    monkeypatch.setattr(chunk_layout, "_SHARED", type(chunk_layout._SHARED)())
+    v = torch.zeros(1, 50, 2, 8)
+    cu_seqlens = torch.tensor([0, 20, 20, 50])
+    layout = chunk_layout.layout_for_call(v, cu_seqlens, 16)
+    assert chunk_layout.layout_for_call(v.clone(), cu_seqlens.clone(), 16) is layout
+    others = [
+        chunk_layout.layout_for_call(v, torch.tensor([0, 21, 21, 50]), 16),  # another packing
+        chunk_layout.layout_for_call(v, cu_seqlens, 32),  # another chunk size
+        chunk_layout.layout_for_call(torch.zeros(1, 50, 4, 8), cu_seqlens, 16),  # more value heads
+        chunk_layout.layout_for_call(v.double(), cu_seqlens, 16),  # another compute dtype
+    ]
+    monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", 3)
+    others.append(chunk_layout.layout_for_call(v, cu_seqlens, 16))  # another segment size
+    assert all(other is not layout for other in others)
+    assert len({id(other) for other in others}) == len(others)
+    recent = [chunk_layout.layout_for_call(v, torch.tensor([0, n, 50]), 16)
+              for n in range(2 * chunk_layout.SHARED_LAYOUTS)]  # only the most recent packings are kept
+    assert len(chunk_layout._SHARED) == chunk_layout.SHARED_LAYOUTS
+    assert chunk_layout.layout_for_call(v, torch.tensor([0, 0, 50]), 16) is not recent[0]
+    assert chunk_layout.layout_for_call(v, torch.tensor([0, 15, 50]), 16) is recent[15]

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_gdr.ref.chunk_layout import ChunkLayout, Span
+from torch_gdr.ref.chunk_layout import ChunkLayout, Span, layout_for_call
 from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.triangular import unit_lower_inverse
 from torch_gdr.ref.utils import lower_mask
@@ -227,7 +227,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     what :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd` takes as
     ``chunk_states`` instead of recomputing them."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    layout = ChunkLayout(v, cu_seqlens, chunk_size)
+    layout = layout_for_call(v, cu_seqlens, chunk_size)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
     states = ChunkStates(layout, initial_state, head_k_dim, head_v_dim, keep=save_states)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)

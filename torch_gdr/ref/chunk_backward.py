@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 
 from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
-from torch_gdr.ref.chunk_layout import ChunkLayout, Span
+from torch_gdr.ref.chunk_layout import ChunkLayout, Span, layout_for_call
 from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.utils import lower_mask
 
@@ -107,7 +107,7 @@ def chunk_gated_delta_rule_bwd(
         ``d_initial_state`` is None when ``initial_state`` is None.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    layout = ChunkLayout(v, cu_seqlens, chunk_size)
+    layout = layout_for_call(v, cu_seqlens, chunk_size)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
 
     ws = Workspace(layout)

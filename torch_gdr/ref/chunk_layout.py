@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
@@ -96,7 +97,8 @@ class ChunkLayout:
             self.seq_chunks = ((lengths + chunk_size - 1) // chunk_size).tolist()
             self.num_chunks = self.seq_chunks[0] if self.num_seqs else 0
             self.lengths, self.starts = lengths, starts  # sorted order
-            self._gather_cache: Optional[tuple] = None
+            self._gather_cache: dict[Span, tuple] = {}  # every span's gather indices, built once
+            self._store_cache: dict[tuple[Span, int], tuple] = {}  # (span, heads) -> store indices
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
@@ -141,30 +143,45 @@ class ChunkLayout:
         same chunks, different sequences, are independent)."""
         return list(self._segments)
 
-    def _gather_index(self, span: Span) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _gather_index(self, span: Span) -> tuple[Tensor, Tensor]:
         """Varlen, the ``n = n1 - n0`` sequences of ``span``, ``L = (c1 - c0) * C`` positions
         each:
 
         - ``index [n * L]``: the token at every position; past a sequence's end, the
           sequence's own last token (so that what is gathered there, zeroed by ``keep``,
           can never carry another sequence's NaN or inf into this one);
-        - ``keep [n, L, 1]``: 1 at real tokens, 0 past the end, in the compute dtype;
-        - ``real [R]`` and ``real_index [R]``: the positions (flat) holding real tokens
-          and their tokens, for stores.
+        - ``keep [n, L, 1]``: 1 at real tokens, 0 past the end, in the compute dtype.
 
-        Built per segment (and kept for the segment's loads and stores), so that memory
-        stays O(segment) however long the longest sequence."""
-        cached = self._gather_cache
-        if cached is not None and cached[0] == span:
-            return cached[1]
+        Built once per span and kept with the layout (O(tokens) in all, however long the
+        longest sequence), for the loads of every segment, the backward's and other layers'
+        (see :func:`layout_for_call`)."""
+        cached = self._gather_cache.get(span)
+        if cached is not None:
+            return cached
         c = self.chunk_size
         positions = torch.arange(span.c0 * c, span.c1 * c, device=self.device)
         lengths, starts = self.lengths[span.n0:span.n1, None], self.starts[span.n0:span.n1, None]
         valid = positions[None, :] < lengths
         index = (starts + torch.minimum(positions[None, :], lengths - 1)).flatten()
-        real = valid.flatten().nonzero().squeeze(1)
-        result = (index, valid.unsqueeze(-1).to(self.dtype), real, index[real])
-        self._gather_cache = (span, result)
+        result = (index, valid.unsqueeze(-1).to(self.dtype))
+        self._gather_cache[span] = result
+        return result
+
+    def _store_index(self, span: Span, heads: int) -> tuple[Tensor, Tensor]:
+        """Varlen stores of ``span`` into a tensor of ``heads`` heads: ``(src_rows, dst_rows)``,
+        the rows of the real tokens in ``[G, n, heads, C]`` order (the flattened source) and
+        their rows ``token * heads + head`` in the flattened destination ``[T * heads]``."""
+        cached = self._store_cache.get((span, heads))
+        if cached is not None:
+            return cached
+        g, n, c = span.num, span.n1 - span.n0, self.chunk_size
+        positions = torch.arange(span.c0 * c, span.c1 * c, device=self.device).view(g, 1, 1, c)
+        lengths, starts = self.lengths[span.n0:span.n1].view(1, n, 1, 1), self.starts[span.n0:span.n1].view(1, n, 1, 1)
+        head = torch.arange(heads, device=self.device).view(1, 1, heads, 1)
+        rows = ((starts + positions) * heads + head).flatten()  # [G * n * heads * C]
+        src_rows = (positions < lengths).expand(g, n, heads, c).flatten().nonzero().squeeze(1)
+        result = (src_rows, rows[src_rows])
+        self._store_cache[(span, heads)] = result
         return result
 
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
@@ -186,7 +203,7 @@ class ChunkLayout:
             out = torch.empty((g, n * hv, c) + tuple(x.shape[3:]), dtype=self.dtype, device=x.device)
         keep = None  # varlen: [N, L, 1], zeros past each sequence's end
         if self.varlen:
-            index, keep, _, _ = self._gather_index(span)
+            index, keep = self._gather_index(span)
             tokens = torch.index_select(x[0], 0, index).view((n, g * c) + tuple(x.shape[2:]))  # [N, G*C, Hx, *D]
             if tokens.dim() == 3:  # per-token scalars (g, beta): zero the padding in place
                 tokens = tokens.mul_(keep)
@@ -239,12 +256,12 @@ class ChunkLayout:
         heads, rest = dst.shape[2], tuple(src.shape[3:])
         src = src.unflatten(1, (n, heads, hv // heads))
         src = src.sum(3) if hv != heads else src.squeeze(3)  # [G, N, Hx, C, *D]
-        chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
-        if self.varlen:
-            _, _, real, real_index = self._gather_index(span)
-            tokens = chunked.reshape((n * g * c, heads) + rest)
-            dst[0].index_copy_(0, real_index, tokens.index_select(0, real).to(dst.dtype))
+        if self.varlen:  # the real rows of src, gathered once, into their rows of dst
+            src_rows, dst_rows = self._store_index(span, heads)
+            rows = src.reshape((-1,) + rest).index_select(0, src_rows)
+            dst.view((-1,) + rest).index_copy_(0, dst_rows, rows.to(dst.dtype))
             return
+        chunked = src.permute((1, 0, 3, 2) + tuple(range(4, src.dim())))  # [N, G, C, Hx, *D], a view
         t0, t1 = self._token_span(span.c0, span.c1)
         full = (t1 - t0) // c  # whole chunks: one strided copy, no intermediate
         rows = dst[span.n0:span.n1]
@@ -252,3 +269,29 @@ class ChunkLayout:
             rows[:, t0:t0 + full * c].unflatten(1, (full, c)).copy_(chunked[:, :full])
         if t0 + full * c < t1:
             rows[:, t0 + full * c:t1].copy_(chunked[:, full, : t1 - t0 - full * c])
+
+
+# Varlen layouts kept for the most recent packings: a call's backward, and every layer of a
+# model, see the same cu_seqlens, and would otherwise sort the sequences, plan the segments
+# and build every segment's gather indices again.
+SHARED_LAYOUTS = 8
+_SHARED: "OrderedDict[tuple, ChunkLayout]" = OrderedDict()
+
+
+def layout_for_call(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> ChunkLayout:
+    """The :class:`ChunkLayout` of a call (segments of :func:`default_segment_matrices`).
+    With ``cu_seqlens`` it is shared with earlier calls of the same packing, shapes, chunk
+    size, device and compute dtype (the last :data:`SHARED_LAYOUTS` packings)."""
+    if cu_seqlens is None:
+        return ChunkLayout(v, None, chunk_size)
+    segment_matrices = default_segment_matrices(v.device)
+    key = (tuple(cu_seqlens.tolist()), tuple(v.shape[:3]), chunk_size, v.device, compute_dtype_for(v.dtype),
+           segment_matrices)
+    layout = _SHARED.get(key)
+    if layout is None:
+        layout = _SHARED[key] = ChunkLayout(v, cu_seqlens, chunk_size, segment_matrices)
+        while len(_SHARED) > SHARED_LAYOUTS:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return layout

@@ -26,7 +26,7 @@ from torch_gdr._layout import run_in_canonical_layout
 from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.device import is_npu_device
 from torch_gdr.dispatch.pypto_backend import KERNEL_CHUNK_SIZES, pypto_backend
-from torch_gdr.ops.registration import _check_real, chunked_keeping_states
+from torch_gdr.ops.registration import _check_real, chunked_pure_torch
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 BACKEND_ENV_VAR = "TORCH_GDR_BACKEND"
@@ -48,24 +48,17 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
 
 
-def _records_autograd(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
            chunk_size, state_v_first):
-    """The pure-torch chunked algorithm. A call that records autograd, eager or under
-    ``torch.compile``, runs :func:`torch_gdr.ops.registration.chunked_keeping_states`: the
-    private op ``gdr::_chunked_forward_with_states`` also returns the state entering every
-    chunk, and its registered autograd hands them to the backward op, which then skips the pass
-    that recomputes them. Every other call runs ``torch.ops.gdr.chunked_gated_delta_rule``
-    (whose own autograd, saving only the op's inputs, recomputes them). Both validate the
-    call and give the same values and gradients."""
-    forward = torch.ops.gdr.chunked_gated_delta_rule
-    if _records_autograd(q, k, v, g, beta, initial_state):
-        forward = chunked_keeping_states
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                   cu_seqlens, chunk_size, state_v_first)
+    """The pure-torch chunked algorithm (:func:`torch_gdr.ops.registration.chunked_pure_torch`).
+    A call that records autograd, eager or under ``torch.compile``, runs the private op
+    ``gdr::_chunked_forward_with_states``: it also returns the state entering every chunk, and
+    its registered autograd hands them to the backward op, which then skips the pass that
+    recomputes them. Every other call runs ``torch.ops.gdr.chunked_gated_delta_rule`` (whose
+    own autograd, saving only the op's inputs, recomputes them). Both validate the call and
+    give the same values and gradients."""
+    return chunked_pure_torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                              cu_seqlens, chunk_size, state_v_first)
 
 
 BACKENDS: dict[str, BackendFn] = {"torch": _torch, "recurrent": _recurrent, "pypto": pypto_backend}

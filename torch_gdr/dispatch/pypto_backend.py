@@ -23,7 +23,7 @@ import torch
 from torch_gdr._layout import run_in_canonical_layout
 from torch_gdr.dispatch.device import is_npu_device
 from torch_gdr.dispatch.kernel_cache import pick_chunk_size
-from torch_gdr.ops.registration import _check_real
+from torch_gdr.ops.registration import _check_real, chunked_pure_torch
 from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 
 STRICT_ENV_VAR = "TORCH_GDR_STRICT"
@@ -142,11 +142,9 @@ def pypto_forward_or_fallback(q, k, v, g, beta, scale, initial_state, use_qk_l2n
     if explicit or strict_mode():
         raise PyptoBackendError(f"backend 'pypto' cannot serve this call: {reason}")
     _warn_fallback(reason)
-    if differentiable:
-        o, final_state = torch.ops.gdr.chunked_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
-            state_v_first)
-        return o, final_state
+    if differentiable:  # the "torch" backend's path: under autograd it keeps the chunk states
+        return chunked_pure_torch(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens,
+                                  chunk_size, state_v_first)
     return run_in_canonical_layout(chunk_gated_delta_rule_fwd, q, k, v, g, beta, scale, initial_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
 

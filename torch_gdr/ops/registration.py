@@ -242,3 +242,16 @@ def chunked_keeping_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
         chunk_size, state_v_first)
     return o, final_state
+
+
+def chunked_pure_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                       initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                       cu_seqlens: Optional[Tensor], chunk_size: int, state_v_first: bool) -> tuple[Tensor, Tensor]:
+    """The pure-torch chunked algorithm as the public call runs it: a call that records
+    autograd (eager or compiled) goes through :func:`chunked_keeping_states`, whose backward
+    reads the kept chunk states; any other call runs the public op."""
+    records_autograd = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    forward = chunked_keeping_states if records_autograd else torch.ops.gdr.chunked_gated_delta_rule
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                   chunk_size, state_v_first)

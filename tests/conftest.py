@@ -1,10 +1,12 @@
-"""Test-wide settings: no files left in the working directory, reproducible CI runs."""
+"""Test-wide settings and fixtures: no files left in the working directory, reproducible CI
+runs, a probe of the backward's recompute pass."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -38,3 +40,20 @@ def pytest_sessionfinish(session, exitstatus):
             "run the tests without the pytest-benchmark plugin)",
             red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture
+def recompute_passes(monkeypatch) -> list:
+    """Records, for every load_segment call of the backward, whether it was the recompute
+    pass's (``states_only``)."""
+    import torch_gdr.ref.chunk_backward as chunk_backward
+
+    passes = []
+    real = chunk_backward.load_segment
+
+    def counting(*args, **kwargs):
+        passes.append(kwargs.get("states_only", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_backward, "load_segment", counting)
+    return passes

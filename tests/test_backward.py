@@ -325,23 +325,6 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int, path: str) -> N
         assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
 
 
-@pytest.fixture
-def recompute_passes(monkeypatch) -> list:
-    """Records, for every load_segment call of the backward, whether it was the recompute
-    pass's (``states_only``)."""
-    import torch_gdr.ref.chunk_backward as chunk_backward
-
-    passes = []
-    real = chunk_backward.load_segment
-
-    def counting(*args, **kwargs):
-        passes.append(kwargs.get("states_only", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(chunk_backward, "load_segment", counting)
-    return passes
-
-
 def test_eager_training_keeps_the_chunk_states(recompute_passes: list) -> None:
     """The public call under autograd saves the chunk states: its backward runs no
     recompute pass (load_segment with states_only), while the op's backward does."""

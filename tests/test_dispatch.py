@@ -87,20 +87,10 @@ def test_default_backend_falls_back_with_one_warning(reason: str, npu_host, monk
         torch.testing.assert_close(g, e, atol=0, rtol=0)
 
 
-def test_training_fallback_keeps_the_chunk_states(npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_fallback_keeps_the_chunk_states(npu_host, recompute_passes: list) -> None:
     """Where the kernel cannot serve a training call, the fallback is the "torch" backend's
     own path: the same gradients, and a backward that reads the kept chunk states instead of
     recomputing them (no load_segment call with states_only)."""
-    import torch_gdr.ref.chunk_backward as chunk_backward
-
-    passes = []
-    real = chunk_backward.load_segment
-
-    def counting(*args, **kwargs):
-        passes.append(kwargs.get("states_only", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(chunk_backward, "load_segment", counting)
     inputs = _inputs(head_k_dim=32, head_v_dim=32)  # head dims the kernel does not take
     grads = {}
     for backend in ("torch", None):
@@ -109,9 +99,9 @@ def test_training_fallback_keeps_the_chunk_states(npu_host, monkeypatch: pytest.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PyptoFallbackWarning)
             o, final = torch_gdr.chunk_gated_delta_rule(**leaves, output_final_state=True, backend=backend)
-        passes.clear()
+        recompute_passes.clear()
         (o.square().sum() + final.sum()).backward()
-        assert passes and not any(passes), backend
+        assert recompute_passes and not any(recompute_passes), backend
         grads[backend] = [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
     for ours, expected in zip(grads[None], grads["torch"]):
         torch.testing.assert_close(ours, expected, atol=0, rtol=0)

@@ -14,12 +14,13 @@ import torch
 
 
 class ForwardFn(Protocol):
-    """A backend's forward in the canonical layout; returns ``(o, final_state)``."""
+    """A backend's forward in the canonical layout; returns ``(o, final_state)``, possibly
+    followed by layout-free extras (passed through as they are)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: Optional[float], initial_state: Optional[torch.Tensor], output_final_state: bool,
                  use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[torch.Tensor],
-                 chunk_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+                 chunk_size: int) -> tuple[torch.Tensor, ...]: ...
 
 
 def run_in_canonical_layout(
@@ -37,7 +38,8 @@ def run_in_canonical_layout(
     state_v_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``forward`` on a checked call in any public layout; return ``(o, final_state)``
-    with ``o`` in the layout of ``v`` and the final state in the layout of the call."""
+    with ``o`` in the layout of ``v`` and the final state in the layout of the call, then any
+    further outputs of ``forward`` unchanged (e.g. the chunk states kept for a backward)."""
     token_major = q.dim() == 3
     if token_major:
         q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
@@ -46,8 +48,8 @@ def run_in_canonical_layout(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, final_state = forward(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
-                             cu_seqlens, chunk_size)
+    o, final_state, *extras = forward(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                                      cu_seqlens, chunk_size)
     assert final_state is not None
     if token_major:
         o = o.squeeze(0)
@@ -56,7 +58,7 @@ def run_in_canonical_layout(
     if initial_state is not None and _shares_storage(final_state, initial_state):
         # No token ran (every sequence empty): never hand the caller's tensor back as a result.
         final_state = final_state.clone()
-    return o.contiguous(), final_state.contiguous()
+    return (o.contiguous(), final_state.contiguous(), *extras)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

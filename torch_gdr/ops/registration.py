@@ -9,7 +9,7 @@ recomputes the state entering every chunk in an extra pass.
 
 Training through :func:`torch_gdr.chunk_gated_delta_rule` (backend ``"torch"``), eager or
 compiled, calls the private op ``gdr::_chunked_forward_with_states`` instead
-(:func:`chunked_keeping_states`). It returns those states as a third output, and so its
+(:func:`chunked_pure_torch`). It returns those states as a third output, and so its
 registered autograd can keep them and hand them to the backward op's ``chunk_states``,
 which then skips the recompute pass. Their number follows the chunks of the call: for
 ``cu_seqlens`` calls that depends on its values, so the fake gives it as an unbacked
@@ -58,9 +58,10 @@ def _final_state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], state
 
 def _chunked_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                      initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                     cu_seqlens: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor]:
+                     cu_seqlens: Optional[Tensor], chunk_size: int, save_states: bool = False) -> tuple[Tensor, ...]:
     del output_final_state  # the layout wrapper always wants the final state
-    return _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+    return _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                         save_states=save_states)
 
 
 @torch.library.custom_op("gdr::chunked_gated_delta_rule", mutates_args=())
@@ -126,21 +127,12 @@ def _chunked_forward_with_states(
     """The public op's ``(o, final_state)`` and ``chunk_states``, the state entering every
     chunk (``[rows, K, V]`` in the compute dtype, the storage of a
     :class:`~torch_gdr.ref.chunk_states.ChunkStates`), which its backward hands to the
-    backward op. Private: the training path of :func:`chunked_keeping_states`."""
+    backward op. Private: the training path of :func:`chunked_pure_torch`."""
     _check_real(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    kept = []
-
-    def forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                chunk_size):
-        o, final_state, chunk_states = _forward_impl(q, k, v, g, beta, scale, initial_state,
-                                                     use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
-                                                     save_states=True)
-        kept.append(chunk_states)
-        return o, final_state
-
-    o, final_state = run_in_canonical_layout(forward, q, k, v, g, beta, scale, initial_state,
-                                             use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
-    return o, (final_state if output_final_state else final_state.new_empty(0)), kept[0]
+    o, final_state, chunk_states = run_in_canonical_layout(
+        functools.partial(_chunked_forward, save_states=True), q, k, v, g, beta, scale, initial_state,
+        use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+    return o, (final_state if output_final_state else final_state.new_empty(0)), chunk_states
 
 
 @_chunked_forward_with_states.register_fake
@@ -231,27 +223,15 @@ chunked_gated_delta_rule.register_autograd(_backward, setup_context=_setup_conte
 _chunked_forward_with_states.register_autograd(_backward, setup_context=_setup_context)
 
 
-def chunked_keeping_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-                           initial_state: Optional[Tensor], output_final_state: bool,
-                           use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
-                           state_v_first: bool) -> tuple[Tensor, Tensor]:
-    """The public op's call (same arguments and results) for training: through
-    ``gdr::_chunked_forward_with_states``, whose backward reads the states it kept instead
-    of recomputing them."""
-    o, final_state, _ = torch.ops.gdr._chunked_forward_with_states(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-        chunk_size, state_v_first)
-    return o, final_state
-
-
 def chunked_pure_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                        initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
                        cu_seqlens: Optional[Tensor], chunk_size: int, state_v_first: bool) -> tuple[Tensor, Tensor]:
     """The pure-torch chunked algorithm as the public call runs it: a call that records
-    autograd (eager or compiled) goes through :func:`chunked_keeping_states`, whose backward
-    reads the kept chunk states; any other call runs the public op."""
-    records_autograd = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    forward = chunked_keeping_states if records_autograd else torch.ops.gdr.chunked_gated_delta_rule
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                   chunk_size, state_v_first)
+    autograd (eager or compiled) goes through ``gdr::_chunked_forward_with_states``, whose
+    backward reads the chunk states it kept; any other call runs the public op."""
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            chunk_size, state_v_first)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        o, final_state, _ = torch.ops.gdr._chunked_forward_with_states(*args)
+        return o, final_state
+    return torch.ops.gdr.chunked_gated_delta_rule(*args)

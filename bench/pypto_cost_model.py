@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from torch_gdr.dispatch import kernel_cache
+from torch_gdr.ops.pypto import kernel_cache
 from torch_gdr.ops.pypto._env import import_pypto, redirected_output, scratch_dir
 from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd
 from torch_gdr.ops.pypto.kernel import build_gdr_kernel, chunk_masks

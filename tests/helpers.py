@@ -67,3 +67,23 @@ def rmse_ratio(reference: torch.Tensor, actual: torch.Tensor) -> float:
     """``rms(reference - actual) / rms(reference)``, the error measure of fla's tests."""
     reference, actual = reference.double(), actual.double()
     return ((reference - actual).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def canonical(inputs: dict, *, scale: Optional[float] = None, use_qk_l2norm_in_kernel: bool = False,
+              chunk_size: int = 64, state_v_first: bool = False):
+    """The :class:`torch_gdr._layout.GdrCall` of ``inputs`` (as :func:`make_inputs` gives them),
+    what the raw functions of ``torch_gdr.ref`` take."""
+    from torch_gdr._layout import canonical_call
+
+    return canonical_call(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], scale,
+                          inputs.get("initial_state"), use_qk_l2norm_in_kernel, inputs.get("cu_seqlens"), chunk_size,
+                          state_v_first)
+
+
+def chunked_reference(inputs: dict, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, final_state)`` of the pure-torch chunked forward, called directly (no op)."""
+    from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+
+    call = canonical(inputs, **options)
+    o, final_state, _ = chunk_gated_delta_rule_fwd(call)
+    return call.public_outputs(o, final_state)

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_gdr
-from tests.helpers import TEST_DEVICE
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+from tests.helpers import TEST_DEVICE, canonical
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -107,9 +106,22 @@ def _op(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
                                                   cu, case.chunk, case.state_v_first)
 
 
+def _naive(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
+    """Autograd through the per-token recurrence, called directly: the independent reference."""
+    token_major = q.dim() == 3
+    if token_major:
+        q, k, v, g, beta = (x.unsqueeze(0) for x in (q, k, v, g, beta))
+    if h0 is not None and case.state_v_first:
+        h0 = h0.transpose(-1, -2)
+    o, final = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, h0, True, case.l2norm, cu)
+    if case.state_v_first:
+        final = final.transpose(-1, -2)
+    return (o.squeeze(0) if token_major else o), final
+
+
 def reference_grads(case: Case, data: dict) -> dict:
     tensors = {n: (x.double() if x is not None else None) for n, x in data["tensors"].items()}
-    return _loss_grads(_public("recurrent"), case, tensors, data["do"], data["dht"])
+    return _loss_grads(_naive, case, tensors, data["do"], data["dht"])
 
 
 def rmse_ratio(ref: torch.Tensor, out: torch.Tensor, floor: float = 1e-6) -> float:
@@ -190,24 +202,10 @@ def test_backward_function_directly() -> None:
     data = make_inputs(case, torch.float64)
     t = data["tensors"]
     ref = reference_grads(case, data)
-    grads = chunk_gated_delta_rule_bwd(data["do"], data["dht"], t["q"], t["k"], t["v"], t["g"], t["beta"], None,
-                                       t["initial_state"], True, None, case.chunk)
+    call = canonical(t, use_qk_l2norm_in_kernel=True, chunk_size=case.chunk)
+    grads = chunk_gated_delta_rule_bwd(call, data["do"], data["dht"])
     for n, d in zip(NAMES, grads):
         assert (d - ref[n]).abs().max().item() < 1e-8, n
-
-
-def test_chunked_forward_is_differentiable() -> None:
-    case = Case(seq_len=20)
-    data = make_inputs(case, torch.float64)
-
-    def call(q, k, v, g, beta, scale, h0, output_final_state, cu, case):
-        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, h0, output_final_state, case.l2norm, cu,
-                                          case.chunk)
-
-    ref = reference_grads(case, data)
-    out = _loss_grads(call, case, data["tensors"], data["do"], data["dht"])
-    for n in ref:
-        assert (out[n] - ref[n]).abs().max().item() < 1e-8, n
 
 
 @pytest.mark.parametrize("case", [Case(seq_len=9, k_dim=4, v_dim=3, chunk=16),
@@ -246,24 +244,33 @@ def test_opcheck(case: Case) -> None:
                           + (case.scale, h0.detach(), case.l2norm, cu, case.chunk, case.state_v_first))
 
 
+BACKEND_OPS = {  # backend: (forward op, backward op, forward keeps chunk states)
+    "torch": ("_torch_fwd", "chunked_gated_delta_rule_backward", True),
+    "recurrent": ("_recurrent_fwd", "_recurrent_bwd", False),
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_OPS))
 @pytest.mark.parametrize("case", [Case(seq_len=20, heads=1, v_heads=2),
                                   Case(seq_len=19, l2norm=True, cu_seqlens=(0, 0, 5, 19), state_v_first=True)],
                          ids=["plain", "varlen"])
-def test_opcheck_keeping_states(case: Case) -> None:
-    """The private forward op (with its data-dependent states size under varlen) and the
-    backward op given its states."""
+def test_opcheck_backend_ops(case: Case, backend: str) -> None:
+    """Every backend's forward op (keeping its chunk states, with a data-dependent size under
+    varlen) and its backward op given those states."""
+    forward_name, backward_name, keeps = BACKEND_OPS[backend]
     data = make_inputs(case, torch.float32)
     t = data["tensors"]
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
     args = tuple(t[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta"))
     h0 = t["initial_state"].detach().clone().requires_grad_()
     options = (case.l2norm, cu, case.chunk, case.state_v_first)
-    forward = torch.ops.gdr._chunked_forward_with_states.default
-    torch.library.opcheck(forward, args + (case.scale, h0, True) + options)
+    forward = getattr(torch.ops.gdr, forward_name).default
+    torch.library.opcheck(forward, args + (case.scale, h0, True) + options + (True,))
     with torch.no_grad():
-        _, _, states = forward(*args, case.scale, h0, True, *options)
+        _, _, states = forward(*args, case.scale, h0, True, *options, True)
+    assert (states.numel() > 0) == keeps
     grad_o, dht = torch.randn_like(t["v"]), torch.randn_like(t["initial_state"])
-    torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule_backward.default,
+    torch.library.opcheck(getattr(torch.ops.gdr, backward_name).default,
                           (grad_o, dht) + tuple(a.detach() for a in args) + (case.scale, h0.detach()) + options
                           + (states,))
 
@@ -273,7 +280,7 @@ def test_chunk_states_of_another_shape_are_refused() -> None:
     t = make_inputs(case, torch.float64)["tensors"]
     cu = torch.tensor(case.cu_seqlens)
     tensors = tuple(t[n] for n in ("q", "k", "v", "g", "beta"))
-    _, _, states = torch.ops.gdr._chunked_forward_with_states(*tensors, None, None, False, False, cu, case.chunk)
+    _, _, states = torch.ops.gdr._torch_fwd(*tensors, None, None, False, False, cu, case.chunk, False, True)
     for bad in (states[:-1], states[..., :-1]):
         with pytest.raises(ValueError, match=r"chunk_states: expected shape .* got "
                                              + re.escape(str(list(bad.shape)))):

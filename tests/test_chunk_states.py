@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import torch_gdr
-from tests.helpers import make_inputs
-from torch_gdr.ref.chunk import _forward_impl
+from tests.helpers import canonical, make_inputs
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_layout import ChunkLayout
 from torch_gdr.ref.chunk_states import ChunkStates
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
@@ -24,7 +24,7 @@ def test_storage_follows_the_tokens_for_skewed_packing() -> None:
     lengths = _skewed_lengths(chunk)
     cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     v = torch.zeros(1, sum(lengths), heads, 8)
-    layout = ChunkLayout(v, cu_seqlens, chunk)
+    layout = ChunkLayout(v, tuple(cu_seqlens.tolist()), chunk)
     states = ChunkStates(layout, None, 8, 8, keep=True)
     real = sum(-(-n // chunk) for n in lengths) * heads  # (chunk, sequence, head) matrices with tokens
     dense = (layout.num_chunks + 1) * len(lengths) * heads  # [NC + 1, N * HV]
@@ -67,13 +67,13 @@ def test_saved_storage_must_match_the_layout() -> None:
 def test_forward_saves_what_the_backward_reads() -> None:
     inputs = make_inputs(seqlens=[50, 0, 3, 33], num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
                          with_initial_state=True, dtype=torch.float64)
-    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None, inputs["initial_state"],
-            False, inputs["cu_seqlens"], 16)
-    o, final = _forward_impl(*args)
-    o_saved, final_saved, storage = _forward_impl(*args, save_states=True)
+    call = canonical(inputs, chunk_size=16)
+    o, final, nothing = chunk_gated_delta_rule_fwd(call)
+    o_saved, final_saved, storage = chunk_gated_delta_rule_fwd(call, save_states=True)
+    assert nothing is None
     torch.testing.assert_close(o_saved, o, atol=0, rtol=0)
     torch.testing.assert_close(final_saved, final, atol=0, rtol=0)
-    layout = ChunkLayout(inputs["v"], inputs["cu_seqlens"], 16)
+    layout = ChunkLayout(inputs["v"], call.offsets, 16)
     assert storage.shape[0] == ChunkStates(layout, None, 8, 8, keep=True).storage.shape[0]
 
 
@@ -83,7 +83,7 @@ def test_scratch_stays_bounded_with_many_packed_sequences() -> None:
     lengths = [3] * 1000 + [100]
     cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     v = torch.zeros(1, sum(lengths), 2, 8)
-    layout = ChunkLayout(v, cu_seqlens, 16, segment_matrices=24)
+    layout = ChunkLayout(v, tuple(cu_seqlens.tolist()), 16, segment_matrices=24)
     assert layout.segment_capacity <= 2 * 24
     covered = {}
     for span in layout.segments():  # every (chunk, sequence) with tokens is in exactly one span
@@ -111,11 +111,11 @@ def test_varlen_layouts_are_shared_by_calls_of_one_packing(monkeypatch) -> None:
 
     monkeypatch.setattr(chunk_layout, "_SHARED", type(chunk_layout._SHARED)())
     v = torch.zeros(1, 50, 2, 8)
-    cu_seqlens = torch.tensor([0, 20, 20, 50])
+    cu_seqlens = (0, 20, 20, 50)
     layout = chunk_layout.layout_for_call(v, cu_seqlens, 16)
-    assert chunk_layout.layout_for_call(v.clone(), cu_seqlens.clone(), 16) is layout
+    assert chunk_layout.layout_for_call(v.clone(), list(cu_seqlens), 16) is layout
     others = [
-        chunk_layout.layout_for_call(v, torch.tensor([0, 21, 21, 50]), 16),  # another packing
+        chunk_layout.layout_for_call(v, (0, 21, 21, 50), 16),  # another packing
         chunk_layout.layout_for_call(v, cu_seqlens, 32),  # another chunk size
         chunk_layout.layout_for_call(torch.zeros(1, 50, 4, 8), cu_seqlens, 16),  # more value heads
         chunk_layout.layout_for_call(v.double(), cu_seqlens, 16),  # another compute dtype
@@ -124,8 +124,8 @@ def test_varlen_layouts_are_shared_by_calls_of_one_packing(monkeypatch) -> None:
     others.append(chunk_layout.layout_for_call(v, cu_seqlens, 16))  # another segment size
     assert all(other is not layout for other in others)
     assert len({id(other) for other in others}) == len(others)
-    recent = [chunk_layout.layout_for_call(v, torch.tensor([0, n, 50]), 16)
+    recent = [chunk_layout.layout_for_call(v, (0, n, 50), 16)
               for n in range(2 * chunk_layout.SHARED_LAYOUTS)]  # only the most recent packings are kept
     assert len(chunk_layout._SHARED) == chunk_layout.SHARED_LAYOUTS
-    assert chunk_layout.layout_for_call(v, torch.tensor([0, 0, 50]), 16) is not recent[0]
-    assert chunk_layout.layout_for_call(v, torch.tensor([0, 15, 50]), 16) is recent[15]
+    assert chunk_layout.layout_for_call(v, (0, 0, 50), 16) is not recent[0]
+    assert chunk_layout.layout_for_call(v, (0, 15, 50), 16) is recent[15]

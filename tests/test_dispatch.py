@@ -15,9 +15,10 @@ import torch
 
 import torch_gdr
 from tests.helpers import make_inputs
-from torch_gdr.dispatch import backends, kernel_cache, pypto_backend
-from torch_gdr.dispatch.pypto_backend import PyptoBackendError, PyptoFallbackWarning
-from torch_gdr.ops.pypto import is_pypto_available
+from torch_gdr import _fallback
+from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning
+from torch_gdr.dispatch import backends
+from torch_gdr.ops.pypto import is_pypto_available, kernel_cache, spec
 
 needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not installed")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +39,13 @@ def npu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backends, "default_backend", lambda device: "pypto")
     monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
     monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
-    monkeypatch.setattr(pypto_backend, "_warned", set())
+    monkeypatch.setattr(_fallback, "_warned", set())
 
 
 def _no_pypto(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch_gdr.ops.pypto as pypto_package
+    import torch_gdr.ops.pypto._env as pypto_env
 
-    monkeypatch.setattr(pypto_package, "is_pypto_available", lambda: False)
+    monkeypatch.setattr(pypto_env, "is_pypto_available", lambda: False)
 
 
 def _broken_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,7 +135,7 @@ def test_cpu_default_is_torch_and_cuda_rejects_pypto(monkeypatch: pytest.MonkeyP
     for npu_type in ("npu", "privateuseone"):
         assert backends.default_backend(SimpleNamespace(type=npu_type)) == "pypto"
     q = torch.empty(1, 1, 1, 64, device="meta")
-    assert "not on 'meta'" in pypto_backend.unsupported_reason(q, q, 64)
+    assert "not on 'meta'" in spec.unsupported_reason(q, q, 64)
 
 
 def test_npu_implementation_is_registered_for_privateuseone() -> None:

@@ -22,7 +22,7 @@ from torch_gdr.ops.pypto import is_pypto_available
 if not is_pypto_available():
     pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
 
-from torch_gdr.dispatch import kernel_cache  # noqa: E402
+from torch_gdr.ops.pypto import kernel_cache, spec  # noqa: E402
 from torch_gdr.ops.pypto import interpreter  # noqa: E402
 from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd  # noqa: E402
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
@@ -187,7 +187,7 @@ def test_kernel_built_once_per_key() -> None:
 )
 def test_pick_chunk_size_takes_the_shortest_chunk_holding_the_longest_sequence(
         max_seqlen: int, requested: int, expected: int) -> None:
-    assert kernel_cache.pick_chunk_size(max_seqlen, requested) == expected
+    assert spec.pick_chunk_size(max_seqlen, requested) == expected
 
 
 def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import torch_gdr
-from tests.helpers import make_inputs
-from torch_gdr.ref import chunk_gated_delta_rule_fwd, naive_recurrent_gated_delta_rule
+from tests.helpers import chunked_reference, make_inputs
+from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 CASES = {
     # name: make_inputs keyword arguments
@@ -36,7 +36,7 @@ def test_chunked_matches_recurrence(case: str, use_l2norm: bool, dtype: torch.dt
     if not use_l2norm:  # keep the state bounded without the norm, as real models do
         inputs["q"], inputs["k"] = inputs["q"] * 0.25, inputs["k"] * 0.25
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=use_l2norm)
-    o, s = chunk_gated_delta_rule_fwd(**inputs, use_qk_l2norm_in_kernel=use_l2norm, chunk_size=32)
+    o, s = chunked_reference(inputs, use_qk_l2norm_in_kernel=use_l2norm, chunk_size=32)
     assert o.shape == inputs["v"].shape and o.dtype == dtype
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     torch.testing.assert_close(o, expected_o, **TOLERANCE[dtype])
@@ -46,17 +46,17 @@ def test_chunked_matches_recurrence(case: str, use_l2norm: bool, dtype: torch.dt
 def test_custom_scale_matches_recurrence() -> None:
     inputs = make_inputs(seq_len=50, with_initial_state=True)
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**inputs, scale=0.3, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_gated_delta_rule_fwd(**inputs, scale=0.3, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    o, s = chunked_reference(inputs, scale=0.3, use_qk_l2norm_in_kernel=True, chunk_size=16)
     torch.testing.assert_close(o, expected_o, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(s, expected_s, atol=1e-10, rtol=1e-10)
-    default_o, _ = chunk_gated_delta_rule_fwd(**inputs, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    default_o, _ = chunked_reference(inputs, use_qk_l2norm_in_kernel=True, chunk_size=16)
     assert not torch.allclose(default_o, o), "scale must change the output"
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
 def test_every_chunk_size_gives_the_same_answer(chunk_size: int) -> None:
     inputs = make_inputs(seqlens=[200, 3, 0, 77], with_initial_state=True, num_qk_heads=1, num_v_heads=2)
-    expected_o, expected_s = chunk_gated_delta_rule_fwd(**inputs, use_qk_l2norm_in_kernel=True, chunk_size=64)
+    expected_o, expected_s = chunked_reference(inputs, use_qk_l2norm_in_kernel=True, chunk_size=64)
     o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                            chunk_size=chunk_size)
     torch.testing.assert_close(o, expected_o, atol=1e-11, rtol=1e-11)
@@ -142,7 +142,7 @@ def test_pairwise_decay_is_finite_and_masked(gate: float) -> None:
     """Gamma = exp(gamma_r - gamma_s) on and below the diagonal and exactly 0 above it, even
     where the differences above the diagonal would overflow the exp (30 x 63 under strong
     decay), and with positive log decays (growth) below it."""
-    from torch_gdr.ref.chunk import pairwise_decay
+    from torch_gdr.ref.segment import pairwise_decay
 
     gamma = (gate + 0.1 * torch.randn(3, 2, 64, dtype=torch.float64)).cumsum(-1)
     decay = pairwise_decay(gamma)

@@ -1,105 +1,134 @@
-"""Moves a call between the public layouts and the one every backend computes in.
+"""The one canonical layout every backend computes in, and the way back to the caller's.
 
-Public layouts: batched ``[B, T, ...]`` or token-major ``[T, ...]`` (TND); state
-key-first ``[N, HV, K, V]`` or value-first ``[N, HV, V, K]`` (``state_v_first``).
-Backends see batched tensors, a key-first state and int64 ``cu_seqlens`` on the
-inputs' device, and always return the final state.
+Public layouts: batched ``[B, T, ...]`` or token-major ``[T, ...]`` (TND); state key-first
+``[N, HV, K, V]`` or value-first ``[N, HV, V, K]`` (``state_v_first``). An op's
+implementation turns its arguments into one :class:`GdrCall` (batched tensors, a key-first
+state, int64 ``cu_seqlens`` on the inputs' device with its offsets read once on the host,
+the scale resolved) and hands that object to the backend's raw functions; the results go
+back through :meth:`GdrCall.public_outputs` and :meth:`GdrCall.public_grads`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from torch_gdr._validate import read_cu_seqlens
 
-class ForwardFn(Protocol):
-    """A backend's forward in the canonical layout; returns ``(o, final_state)``, possibly
-    followed by layout-free extras (passed through as they are)."""
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 scale: Optional[float], initial_state: Optional[torch.Tensor], output_final_state: bool,
-                 use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[torch.Tensor],
-                 chunk_size: int) -> tuple[torch.Tensor, ...]: ...
+Tensor = torch.Tensor
 
 
-def run_in_canonical_layout(
-    forward: ForwardFn,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: Optional[float],
-    initial_state: Optional[torch.Tensor],
-    use_qk_l2norm_in_kernel: bool,
-    cu_seqlens: Optional[torch.Tensor],
-    chunk_size: int,
-    state_v_first: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``forward`` on a checked call in any public layout; return ``(o, final_state)``
-    with ``o`` in the layout of ``v`` and the final state in the layout of the call, then any
-    further outputs of ``forward`` unchanged (e.g. the chunk states kept for a backward)."""
-    token_major = q.dim() == 3
-    if token_major:
-        q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, final_state, *extras = forward(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
-                                      cu_seqlens, chunk_size)
-    assert final_state is not None
-    if token_major:
-        o = o.squeeze(0)
-    if state_v_first:
-        final_state = final_state.transpose(-1, -2)
-    if initial_state is not None and _shares_storage(final_state, initial_state):
-        # No token ran (every sequence empty): never hand the caller's tensor back as a result.
-        final_state = final_state.clone()
-    return (o.contiguous(), final_state.contiguous(), *extras)
+def default_scale(head_k_dim: int) -> float:
+    """The scale ``None`` stands for: ``K ** -0.5``."""
+    return head_k_dim ** -0.5
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class GdrCall:
+    """A checked call of the gated delta rule in the canonical layout.
+
+    Attributes:
+        q, k: ``[B, T, H, K]``.
+        v: ``[B, T, HV, V]``.
+        g, beta: ``[B, T, HV]``.
+        initial_state: key-first ``[N, HV, K, V]`` in any float dtype, or None (zeros).
+        cu_seqlens: ``[N + 1]`` int64 on the inputs' device, or None (B sequences of T).
+        offsets: the values of ``cu_seqlens`` on the host (read once per call), or None.
+        scale: the factor on q after the l2norm (resolved: never None).
+        use_qk_l2norm: l2-normalise q and k first.
+        chunk_size: tokens per chunk of the chunked algorithm.
+        token_major: the caller passed ``[T, ...]`` tensors (no batch dim).
+        state_v_first: the caller's states are value-first.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    initial_state: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+    offsets: Optional[tuple[int, ...]]
+    scale: float
+    use_qk_l2norm: bool
+    chunk_size: int
+    token_major: bool = False
+    state_v_first: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        """N: B, or the number of packed sequences."""
+        return self.q.shape[0] if self.offsets is None else len(self.offsets) - 1
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """The length of every sequence."""
+        if self.offsets is None:
+            return [self.q.shape[1]] * self.q.shape[0]
+        return [b - a for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """Key-first ``(N, HV, K, V)``."""
+        return (self.num_seqs, self.v.shape[2], self.q.shape[-1], self.v.shape[-1])
+
+    def public_outputs(self, o: Tensor, final_state: Tensor) -> tuple[Tensor, Tensor]:
+        """``o`` and the final state from the canonical layout into the caller's: contiguous,
+        and never the caller's own initial state tensor (a call in which no token ran)."""
+        if self.token_major:
+            o = o.squeeze(0)
+        if self.initial_state is not None and _shares_storage(final_state, self.initial_state):
+            final_state = final_state.clone()
+        return o.contiguous(), self.public_state(final_state).contiguous()
+
+    def public_state(self, state: Tensor) -> Tensor:
+        """A key-first state in the caller's orientation (a view)."""
+        return state.transpose(-1, -2) if self.state_v_first else state
+
+    def canonical_state(self, state: Optional[Tensor]) -> Optional[Tensor]:
+        """A state in the caller's orientation as a key-first one (a view); None stays None."""
+        if state is None:
+            return None
+        return state.transpose(-1, -2) if self.state_v_first else state
+
+    def canonical_tokens(self, x: Tensor) -> Tensor:
+        """A per-token tensor of the caller (e.g. ``grad_o``) in the batched layout."""
+        return x.unsqueeze(0) if self.token_major else x
+
+    def public_grads(self, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor,
+                     d_initial_state: Optional[Tensor]) -> tuple[Tensor, ...]:
+        """Gradients from the canonical layout into the layouts of their inputs; an absent
+        ``d_initial_state`` becomes an empty tensor (an op cannot return None)."""
+        grads = [dq, dk, dv, dg, dbeta]
+        if self.token_major:
+            grads = [t.squeeze(0) for t in grads]
+        if d_initial_state is None:
+            d_initial = dq.new_empty(0)
+        else:
+            d_initial = self.public_state(d_initial_state).contiguous()
+        return tuple(t.contiguous() for t in grads) + (d_initial,)
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def run_backward_in_canonical_layout(
-    backward,
-    grad_o: torch.Tensor,
-    grad_final_state: Optional[torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: Optional[float],
-    initial_state: Optional[torch.Tensor],
-    use_qk_l2norm_in_kernel: bool,
-    cu_seqlens: Optional[torch.Tensor],
-    chunk_size: int,
-    state_v_first: bool,
-) -> tuple[torch.Tensor, ...]:
-    """Run a backend's ``backward`` (batched layout, key-first states, returning
-    ``(dq, dk, dv, dg, dbeta, d_initial_state or None)``) on a call in any public layout;
-    the gradients come back in the layouts of their inputs."""
+def canonical_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                   initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor],
+                   chunk_size: int, state_v_first: bool) -> GdrCall:
+    """The :class:`GdrCall` of an op's arguments (already checked by
+    :func:`torch_gdr._validate.check_inputs`). Reads ``cu_seqlens`` once, checking its values."""
     token_major = q.dim() == 3
     if token_major:
-        grad_o, q, k, v, g, beta = (t.unsqueeze(0) for t in (grad_o, q, k, v, g, beta))
-    if state_v_first:
-        if initial_state is not None:
-            initial_state = initial_state.transpose(-1, -2)
-        if grad_final_state is not None:
-            grad_final_state = grad_final_state.transpose(-1, -2)
+        q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
+    offsets = None
     if cu_seqlens is not None:
+        offsets = read_cu_seqlens(cu_seqlens, q.shape[1])
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    dq, dk, dv, dg, dbeta, d_initial = backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
-                                                use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
-    grads = [dq, dk, dv, dg, dbeta]
-    if token_major:
-        grads = [t.squeeze(0) for t in grads]
-    if d_initial is not None and state_v_first:
-        d_initial = d_initial.transpose(-1, -2)
-    return tuple(t.contiguous() for t in grads) + (None if d_initial is None else d_initial.contiguous(),)
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    return GdrCall(q, k, v, g, beta, initial_state, cu_seqlens, offsets,
+                   default_scale(q.shape[-1]) if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
+                   int(chunk_size), token_major, bool(state_v_first))

@@ -7,6 +7,7 @@ and run only where real tensors are at hand (the op's implementations).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -55,6 +56,8 @@ def check_inputs(
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state: expected a torch.Tensor or None, got {type(initial_state).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _expect_float(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -74,7 +77,13 @@ def check_inputs(
             f"v: expected shape {lead_layout}, HV, V] with leading dims {lead} as q, got {_shape(v)}"
         )
     num_v_heads, head_v_dim = v.shape[-2], v.shape[-1]
-    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
+    for name, tensor, size, what in (("q", q, num_qk_heads, "q/k heads H"), ("q", q, head_k_dim, "key dim K"),
+                                     ("v", v, num_v_heads, "value heads HV"), ("v", v, head_v_dim, "value dim V")):
+        if size == 0:
+            raise ValueError(f"{name}: expected at least one {what}, got shape {_shape(tensor)}")
+    if not token_major and q.shape[0] == 0:
+        raise ValueError(f"q: expected a batch of at least one sequence (B >= 1), got shape {_shape(q)}")
+    if num_v_heads % num_qk_heads != 0:
         raise ValueError(
             f"v: the number of value heads HV = {num_v_heads} must be a positive multiple of the "
             f"number of q/k heads H = {num_qk_heads} (q shape {_shape(q)}, v shape {_shape(v)})"
@@ -87,10 +96,8 @@ def check_inputs(
         if t is not None and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got one on {t.device}")
 
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {list(CHUNK_SIZES)}, got {chunk_size!r}")
+    check_scale(scale)
+    check_chunk_size(chunk_size)
 
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor):
@@ -114,8 +121,6 @@ def check_inputs(
         num_seqs = 1 if token_major else q.shape[0]
 
     if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise TypeError(f"initial_state: expected a torch.Tensor or None, got {type(initial_state).__name__}")
         _expect_float("initial_state", initial_state)
         if state_v_first:
             expected, layout = [num_seqs, num_v_heads, head_v_dim, head_k_dim], "[N, HV, V, K] (state_v_first=True)"
@@ -124,11 +129,28 @@ def check_inputs(
         _expect_shape("initial_state", initial_state, expected, layout)
 
 
-def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
-    """Check the values of ``cu_seqlens [N + 1]``: start at 0, never decrease, end at T.
+def check_scale(scale: object) -> None:
+    """``scale``: None or a real number (Python or NumPy scalar); not a bool, not a tensor."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        hint = " (pass a Python float, e.g. scale.item())" if isinstance(scale, torch.Tensor) else ""
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}{hint}")
 
-    Reads the tensor (a host sync on accelerators); call it only on real tensors.
-    """
+
+def check_chunk_size(chunk_size: object) -> None:
+    """``chunk_size``: an int (not a bool or a float) among :data:`CHUNK_SIZES`."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size: expected an int, one of {list(CHUNK_SIZES)}, got {type(chunk_size).__name__} "
+                        f"{chunk_size!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {list(CHUNK_SIZES)}, got {chunk_size!r}")
+
+
+def read_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+    """The offsets of ``cu_seqlens [N + 1]`` on the host, checked: they start at 0, never
+    decrease and end at T. This is a call's one read of ``cu_seqlens`` (a host sync on
+    accelerators); call it only on real tensors."""
     offsets = cu_seqlens.detach().to("cpu", torch.int64)
     if offsets[0].item() != 0:
         raise ValueError(f"cu_seqlens: expected the first offset to be 0, got {offsets[0].item()}")
@@ -144,3 +166,4 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
             f"cu_seqlens: expected the last offset to equal the number of tokens T = {num_tokens}, "
             f"got {offsets[-1].item()}"
         )
+    return tuple(offsets.tolist())

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from torch_gdr._validate import check_inputs
-from torch_gdr.dispatch.backends import select_backend
+from torch_gdr.dispatch.backends import run_forward
 
 
 def chunk_gated_delta_rule(
@@ -39,8 +39,8 @@ def chunk_gated_delta_rule(
         k: keys, shape and dtype of q.
         v: values ``[B, T, HV, V]`` (``[T, HV, V]``), dtype of q; ``HV % H == 0`` and value
             head h reads q/k head ``h // (HV // H)``.
-        g: raw per-token log decay ``[B, T, HV]`` (``[T, HV]``), any float dtype, usually
-            <= 0; the op does the within-chunk cumsum itself.
+        g: raw per-token log decay ``[B, T, HV]`` (``[T, HV]``), any float dtype, ``<= 0``
+            (``-inf`` resets the state); the op does the within-chunk cumsum itself.
         beta: write strengths ``[B, T, HV]`` (``[T, HV]``), any float dtype.
         scale: multiplies q (after the l2norm); ``K ** -0.5`` when None.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any
@@ -67,14 +67,18 @@ def chunk_gated_delta_rule(
 
     Raises:
         ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend.
-        TypeError: non-floating inputs or non-integer ``cu_seqlens``.
+        TypeError: non-floating inputs, non-integer ``cu_seqlens`` or chunk size, a scale
+            that is not a real number.
         torch_gdr.dispatch.PyptoBackendError: ``backend="pypto"`` was named and the kernel
             cannot serve the call (pypto absent, an unsupported head dim, dtype or chunk size).
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    forward = select_backend(backend, q.device)
-    o, final_state = forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                             cu_seqlens, chunk_size, state_v_first)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    scale = None if scale is None else float(scale)
+    o, final_state = run_forward(backend, (q, k, v, g, beta, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first),
+                                 needs_grad)
     return o, (final_state if output_final_state else None)
 
 

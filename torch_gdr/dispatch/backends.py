@@ -1,67 +1,53 @@
 """The backends of the public call and how one is chosen.
 
-| name        | what runs                                                  |
-| ----------- | ---------------------------------------------------------- |
-| "torch"     | the pure-torch chunked algorithm, any device (the op; in   |
-|             | training, eager or compiled, an op that keeps the states)  |
-| "recurrent" | the per-token recurrence (the definition), any device      |
-| "pypto"     | the PyPTO kernel: on Ascend NPUs, or on the CPU through    |
-|             | PyPTO's interpreter (a correctness check, not fast)        |
+| name        | forward op            | what runs                                           |
+| ----------- | --------------------- | --------------------------------------------------- |
+| "torch"     | ``gdr::_torch_fwd``   | the pure-torch chunked algorithm, any device; in    |
+|             |                       | training it keeps the chunk states for the backward |
+| "recurrent" | ``gdr::_recurrent_fwd`` | the per-token recurrence (the definition), any device |
+| "pypto"     | ``gdr::_pypto_fwd``   | the PyPTO kernel: on Ascend NPUs, or on the CPU     |
+|             |                       | through PyPTO's interpreter (a check, not fast)     |
 
 ``backend=None`` takes ``TORCH_GDR_BACKEND`` when it is set, else the default for the
-inputs' device: ``"pypto"`` on NPUs (falling back to ``"torch"`` with a warning where the
-kernel cannot serve a call), ``"torch"`` elsewhere. A backend named by the argument or the
-environment variable is a demand: where it cannot serve a call, the call raises.
+inputs' device: ``"pypto"`` on NPUs, ``"torch"`` elsewhere. Where the chosen backend
+cannot serve a call, :func:`torch_gdr._fallback.refuse_or_warn` applies: a named backend
+raises, a default one warns once per reason and the call runs the ``"torch"`` op. Dispatch
+only picks ops; it registers nothing on one.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from torch_gdr._layout import run_in_canonical_layout
+from torch_gdr._device import is_npu_device
+from torch_gdr._fallback import BackendError, error_class, refuse_or_warn, strict_mode
 from torch_gdr._validate import CHUNK_SIZES
-from torch_gdr.dispatch.device import is_npu_device
-from torch_gdr.dispatch.pypto_backend import KERNEL_CHUNK_SIZES, pypto_backend
-from torch_gdr.ops.registration import _check_real, chunked_pure_torch
-from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+from torch_gdr.ops.pypto import op as pypto_op
+from torch_gdr.ops.pypto import spec as pypto_spec
+from torch_gdr.ops import registration
 
 BACKEND_ENV_VAR = "TORCH_GDR_BACKEND"
 
-BackendFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+class Backend(NamedTuple):
+    """A backend: its forward op, whether that op returns chunk states its backward reads,
+    and, for a kernel that cannot serve every call, ``unsupported_reason(q, v, chunk_size)``
+    (a reason string, or None when it can)."""
+
+    forward_op: Any
+    keeps_chunk_states: bool
+    unsupported_reason: Optional[Callable[[torch.Tensor, torch.Tensor, int], Optional[str]]] = None
 
 
-def _recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       cu_seqlens, chunk_size):
-    del chunk_size  # the recurrence has no chunks
-    return naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            use_qk_l2norm_in_kernel, cu_seqlens)
-
-
-def _recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-               chunk_size, state_v_first):
-    _check_real(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    return run_in_canonical_layout(_recurrent_forward, q, k, v, g, beta, scale, initial_state,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
-
-
-def _torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-           chunk_size, state_v_first):
-    """The pure-torch chunked algorithm (:func:`torch_gdr.ops.registration.chunked_pure_torch`).
-    A call that records autograd, eager or under ``torch.compile``, runs the private op
-    ``gdr::_chunked_forward_with_states``: it also returns the state entering every chunk, and
-    its registered autograd hands them to the backward op, which then skips the pass that
-    recomputes them. Every other call runs ``torch.ops.gdr.chunked_gated_delta_rule`` (whose
-    own autograd, saving only the op's inputs, recomputes them). Both validate the call and
-    give the same values and gradients."""
-    return chunked_pure_torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                              cu_seqlens, chunk_size, state_v_first)
-
-
-BACKENDS: dict[str, BackendFn] = {"torch": _torch, "recurrent": _recurrent, "pypto": pypto_backend}
+BACKENDS: dict[str, Backend] = {
+    "torch": Backend(registration.torch_chunked_fwd, True),
+    "recurrent": Backend(registration.recurrent_fwd, False),
+    "pypto": Backend(pypto_op.pypto_fwd, False, pypto_spec.unsupported_reason),
+}
+FALLBACK_BACKEND = "torch"
 
 
 def default_backend(device: torch.device) -> str:
@@ -73,11 +59,11 @@ def _resolve(backend: Optional[str], device: torch.device) -> tuple[str, bool]:
     """``(name, named)``: the backend serving a call and whether the caller named it."""
     source = "backend"
     if backend is None:
-        backend = os.environ.get(BACKEND_ENV_VAR) or None
+        backend = os.environ.get(BACKEND_ENV_VAR, "").strip().lower() or None
         source = BACKEND_ENV_VAR
     if backend is None:
         return default_backend(device), False
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"{source}: expected one of {sorted(BACKENDS)}, got {backend!r}")
     return backend, True
 
@@ -87,16 +73,34 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     return _resolve(backend, device)[0]
 
 
-def select_backend(backend: Optional[str], device: torch.device) -> BackendFn:
-    """The callable serving a call: it takes the op's arguments in order and returns
-    ``(o, final_state)``. The default PyPTO backend may fall back; a named one may not."""
-    name, named = _resolve(backend, device)
-    if name == "pypto" and not named:
-        return functools.partial(pypto_backend, explicit=False)
-    return BACKENDS[name]
+def run_forward(backend: Optional[str], args: tuple, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a checked call (``args``: the public op's twelve arguments in order) on the backend
+    serving it, or on ``"torch"`` where that one cannot (see the module doc). ``needs_grad``:
+    autograd records the call, so a backend that can keeps its chunk states. Returns
+    ``(o, final_state)`` (the latter empty unless asked for)."""
+    q, v, chunk_size = args[0], args[2], args[10]
+    name, named = _resolve(backend, q.device)
+    chosen = BACKENDS[name]
+    if chosen.unsupported_reason is not None:
+        reason = chosen.unsupported_reason(q, v, chunk_size)
+        if reason is None:
+            try:
+                o, final_state, _ = chosen.forward_op(*args, False)
+                return o, final_state
+            except BackendError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                reason = f"the kernel failed: {type(error).__name__}: {first_line}"
+                if named or strict_mode():
+                    raise error_class(name)(f"backend {name!r} cannot serve this call: {reason}") from error
+        refuse_or_warn(name, reason, named=named, stacklevel=5)
+        chosen = BACKENDS[FALLBACK_BACKEND]
+    o, final_state, _ = chosen.forward_op(*args, needs_grad and chosen.keeps_chunk_states)
+    return o, final_state
 
 
 def smallest_chunk_size(backend: Optional[str], device: torch.device) -> int:
     """The smallest chunk size the backend serving a call on ``device`` takes: what a
     single-token decode step should ask for, since it pads least."""
-    return KERNEL_CHUNK_SIZES[0] if resolve_backend(backend, device) == "pypto" else CHUNK_SIZES[0]
+    return pypto_spec.CHUNK_SIZES[0] if resolve_backend(backend, device) == "pypto" else CHUNK_SIZES[0]

@@ -66,48 +66,38 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.chunk import Segment, Workspace, batched, bmm, load_segment, state_scan
+from torch_gdr._layout import GdrCall
 from torch_gdr.ref.chunk_layout import ChunkLayout, Span, layout_for_call
 from torch_gdr.ref.chunk_states import ChunkStates
+from torch_gdr.ref.segment import Segment, Workspace, batched, bmm, load_segment, state_scan
 from torch_gdr.ref.utils import lower_mask
 
 Tensor = torch.Tensor
 
 
 def chunk_gated_delta_rule_bwd(
+    call: GdrCall,
     grad_o: Tensor,
     grad_final_state: Optional[Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
-    chunk_size: int = 64,
     chunk_states: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Gradients of :func:`torch_gdr.ref.chunk.chunk_gated_delta_rule_fwd`.
+    """Gradients of :func:`torch_gdr.ref.chunk.chunk_gated_delta_rule_fwd` for ``call``.
 
     Args:
+        call: the forward's call in the canonical layout.
         grad_o: ``[B, T, HV, V]``, the gradient on ``o``.
         grad_final_state: ``[N, HV, K, V]`` key-first, or None (no gradient on the final state).
-        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-        chunk_size: the forward's arguments, in the batched layout with a key-first state
-            (``cu_seqlens`` int64 on the inputs' device).
         chunk_states: the state entering every chunk as saved by the forward
-            (``_forward_impl(..., save_states=True)``, the storage of a
-            :class:`~torch_gdr.ref.chunk_states.ChunkStates`), or None to recompute them
-            (pass 1).
+            (``chunk_gated_delta_rule_fwd(call, save_states=True)[2]``), or None to recompute
+            them (pass 1).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, d_initial_state)``, each in the shape and dtype of its input;
-        ``d_initial_state`` is None when ``initial_state`` is None.
+        ``d_initial_state`` is None when ``call.initial_state`` is None.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    layout = layout_for_call(v, cu_seqlens, chunk_size)
+    q, k, v, g, beta, scale = call.q, call.k, call.v, call.g, call.beta, call.scale
+    initial_state, use_qk_l2norm_in_kernel = call.initial_state, call.use_qk_l2norm
+    layout = layout_for_call(v, call.offsets, call.chunk_size)
     head_k_dim, head_v_dim = q.shape[-1], v.shape[-1]
 
     ws = Workspace(layout)

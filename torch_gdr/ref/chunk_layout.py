@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import bisect
 import operator
+import threading
 from collections import OrderedDict
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -71,34 +72,39 @@ class ChunkLayout:
 
     Args:
         v: the values ``[B, T, HV, V]`` (shape, device and dtype are read).
-        cu_seqlens: ``[N + 1]`` int64 offsets on v's device, or None.
+        offsets: the ``N + 1`` offsets of packed sequences (host ints), or None.
         chunk_size: C.
         segment_matrices: the number of (chunk, sequence, head) matrices a segment aims at;
             :func:`default_segment_matrices` of v's device when None.
     """
 
-    def __init__(self, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
+    def __init__(self, v: Tensor, offsets: Optional[Sequence[int]], chunk_size: int,
                  segment_matrices: Optional[int] = None) -> None:
         self.batch_size, self.seq_len, self.num_v_heads = v.shape[:3]
         self.chunk_size = chunk_size
         self.dtype = compute_dtype_for(v.dtype)
         self.device = v.device
-        self.varlen = cu_seqlens is not None
+        self.varlen = offsets is not None
         if not self.varlen:
             self.num_seqs = self.batch_size
             self.num_chunks = -(-self.seq_len // chunk_size)
             self.seq_chunks = [self.num_chunks] * self.num_seqs
         else:
-            offsets = cu_seqlens.to(device=v.device, dtype=torch.int64)
-            lengths = offsets[1:] - offsets[:-1]
-            self.num_seqs = lengths.shape[0]
-            self.order = torch.argsort(lengths, descending=True, stable=True)
-            lengths, starts = lengths[self.order], offsets[:-1][self.order]
-            self.seq_chunks = ((lengths + chunk_size - 1) // chunk_size).tolist()
+            lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+            order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # stable: ties keep their order
+            self.num_seqs = len(lengths)
+            self.seq_chunks = [-(-lengths[n] // chunk_size) for n in order]
             self.num_chunks = self.seq_chunks[0] if self.num_seqs else 0
-            self.lengths, self.starts = lengths, starts  # sorted order
+
+            def on_device(values: list[int]) -> Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+            self.order = on_device(order)
+            # sorted order
+            self.lengths, self.starts = on_device([lengths[n] for n in order]), on_device([offsets[n] for n in order])
             self._gather_cache: dict[Span, tuple] = {}  # every span's gather indices, built once
             self._store_cache: dict[tuple[Span, int], tuple] = {}  # (span, heads) -> store indices
+        self._cache_lock = threading.Lock()  # a layout is shared by calls on several threads
         self.num_matrices = self.num_seqs * self.num_v_heads  # NH
         if segment_matrices is None:
             segment_matrices = default_segment_matrices(self.device)
@@ -155,7 +161,8 @@ class ChunkLayout:
         Built once per span and kept with the layout (O(tokens) in all, however long the
         longest sequence), for the loads of every segment, the backward's and other layers'
         (see :func:`layout_for_call`)."""
-        cached = self._gather_cache.get(span)
+        with self._cache_lock:
+            cached = self._gather_cache.get(span)
         if cached is not None:
             return cached
         c = self.chunk_size
@@ -164,14 +171,15 @@ class ChunkLayout:
         valid = positions[None, :] < lengths
         index = (starts + torch.minimum(positions[None, :], lengths - 1)).flatten()
         result = (index, valid.unsqueeze(-1).to(self.dtype))
-        self._gather_cache[span] = result
-        return result
+        with self._cache_lock:
+            return self._gather_cache.setdefault(span, result)
 
     def _store_index(self, span: Span, heads: int) -> tuple[Tensor, Tensor]:
         """Varlen stores of ``span`` into a tensor of ``heads`` heads: ``(src_rows, dst_rows)``,
         the rows of the real tokens in ``[G, n, heads, C]`` order (the flattened source) and
         their rows ``token * heads + head`` in the flattened destination ``[T * heads]``."""
-        cached = self._store_cache.get((span, heads))
+        with self._cache_lock:
+            cached = self._store_cache.get((span, heads))
         if cached is not None:
             return cached
         g, n, c = span.num, span.n1 - span.n0, self.chunk_size
@@ -181,8 +189,8 @@ class ChunkLayout:
         rows = ((starts + positions) * heads + head).flatten()  # [G * n * heads * C]
         src_rows = (positions < lengths).expand(g, n, heads, c).flatten().nonzero().squeeze(1)
         result = (src_rows, rows[src_rows])
-        self._store_cache[(span, heads)] = result
-        return result
+        with self._cache_lock:
+            return self._store_cache.setdefault((span, heads), result)
 
     def _token_span(self, c0: int, c1: int) -> tuple[int, int]:
         c = self.chunk_size
@@ -273,25 +281,30 @@ class ChunkLayout:
 
 # Varlen layouts kept for the most recent packings: a call's backward, and every layer of a
 # model, see the same cu_seqlens, and would otherwise sort the sequences, plan the segments
-# and build every segment's gather indices again.
+# and build every segment's gather indices again. Calls on several threads share it.
 SHARED_LAYOUTS = 8
 _SHARED: "OrderedDict[tuple, ChunkLayout]" = OrderedDict()
+_SHARED_LOCK = threading.Lock()
 
 
-def layout_for_call(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> ChunkLayout:
+def layout_for_call(v: Tensor, offsets: Optional[Sequence[int]], chunk_size: int) -> ChunkLayout:
     """The :class:`ChunkLayout` of a call (segments of :func:`default_segment_matrices`).
-    With ``cu_seqlens`` it is shared with earlier calls of the same packing, shapes, chunk
-    size, device and compute dtype (the last :data:`SHARED_LAYOUTS` packings)."""
-    if cu_seqlens is None:
+    With varlen ``offsets`` (the host values of ``cu_seqlens``) it is shared with earlier
+    calls of the same packing, shapes, chunk size, device and compute dtype (the last
+    :data:`SHARED_LAYOUTS` packings)."""
+    if offsets is None:
         return ChunkLayout(v, None, chunk_size)
     segment_matrices = default_segment_matrices(v.device)
-    key = (tuple(cu_seqlens.tolist()), tuple(v.shape[:3]), chunk_size, v.device, compute_dtype_for(v.dtype),
-           segment_matrices)
-    layout = _SHARED.get(key)
-    if layout is None:
-        layout = _SHARED[key] = ChunkLayout(v, cu_seqlens, chunk_size, segment_matrices)
+    key = (tuple(offsets), tuple(v.shape[:3]), chunk_size, v.device, compute_dtype_for(v.dtype), segment_matrices)
+    with _SHARED_LOCK:
+        layout = _SHARED.get(key)
+        if layout is not None:
+            _SHARED.move_to_end(key)
+            return layout
+    layout = ChunkLayout(v, offsets, chunk_size, segment_matrices)  # outside the lock: it allocates
+    with _SHARED_LOCK:
+        layout = _SHARED.setdefault(key, layout)
+        _SHARED.move_to_end(key)
         while len(_SHARED) > SHARED_LAYOUTS:
             _SHARED.popitem(last=False)
-    else:
-        _SHARED.move_to_end(key)
     return layout

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.utils import compute_dtype_for, l2norm, repeat_kv_heads
+from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for, l2norm, repeat_kv_heads
 
 
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -87,3 +87,95 @@ def naive_recurrent_gated_delta_rule(
             finals.append(s_n)
         o, final_state = torch.cat(pieces, dim=1), torch.cat(finals, dim=0)
     return o.to(out_dtype), (final_state if output_final_state else None)
+
+
+def _l2norm_backward(x: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
+    """The gradient through ``y = x r``, ``r = (|x|^2 + eps)^-1/2``: ``r (dy - y (y . dy))``."""
+    r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    y = x * r
+    return r * (grad_y - y * (y * grad_y).sum(-1, keepdim=True))
+
+
+def _recurrence_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, grad_o: torch.Tensor,
+                         grad_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Reverse of :func:`_recurrence` for one batch of equal-length sequences (q scaled, heads
+    expanded): returns ``(dq, dk, dv, dg, dbeta, d_state_in)``. Per token, with
+    ``P = exp(g_t) S_{t-1}``, ``u = beta_t (v_t - P^T k_t)``, ``S_t = P + k_t u^T``,
+    ``o_t = S_t^T q_t``, walked backwards carrying ``dS``."""
+    states = [state]
+    for t in range(q.shape[1]):  # S_0 .. S_T
+        decayed = states[-1] * g[:, t].exp()[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhkv,nhk->nhv", decayed, k[:, t]))
+        states.append(decayed + torch.einsum("nhk,nhv->nhkv", k[:, t], u))
+    grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
+    dq, dk, dv, dg, dbeta = grads
+    d_state = grad_state.clone()
+    for t in range(q.shape[1] - 1, -1, -1):
+        s_prev, s_t, k_t = states[t], states[t + 1], k[:, t]
+        d_state += torch.einsum("nhk,nhv->nhkv", q[:, t], grad_o[:, t])
+        dq[:, t] = torch.einsum("nhkv,nhv->nhk", s_t, grad_o[:, t])
+        decayed = s_prev * g[:, t].exp()[..., None, None]
+        residual = v[:, t] - torch.einsum("nhkv,nhk->nhv", decayed, k_t)
+        u = beta[:, t, :, None] * residual
+        du = torch.einsum("nhkv,nhk->nhv", d_state, k_t)
+        dv[:, t] = beta[:, t, :, None] * du
+        dbeta[:, t] = (du * residual).sum(-1)
+        d_pred = -beta[:, t, :, None] * du  # gradient of P^T k
+        dk[:, t] = torch.einsum("nhkv,nhv->nhk", d_state, u) + torch.einsum("nhkv,nhv->nhk", decayed, d_pred)
+        d_decayed = d_state + torch.einsum("nhk,nhv->nhkv", k_t, d_pred)
+        dg[:, t] = (d_decayed * decayed).sum((-2, -1))
+        d_state = d_decayed * g[:, t].exp()[..., None, None]
+    return dq, dk, dv, dg, dbeta, d_state
+
+
+def naive_recurrent_gated_delta_rule_bwd(
+    grad_o: torch.Tensor,
+    grad_final_state: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients of :func:`naive_recurrent_gated_delta_rule` by the reverse recurrence,
+    written out per token (no autograd, so it runs inside ops). Arguments as the forward's,
+    plus ``grad_o [B, T, HV, V]`` and ``grad_final_state [N, HV, K, V]`` (or None). Returns
+    ``(dq, dk, dv, dg, dbeta, d_initial_state or None)`` in the dtypes of the inputs."""
+    dtype = compute_dtype_for(v.dtype)
+    num_v_heads, head_k_dim = v.shape[2], q.shape[-1]
+    scale = head_k_dim ** -0.5 if scale is None else scale
+    raw_q, raw_k = q.to(dtype), k.to(dtype)
+    q_n, k_n = (l2norm(raw_q), l2norm(raw_k)) if use_qk_l2norm_in_kernel else (raw_q, raw_k)
+    q_e, k_e = repeat_kv_heads(q_n * scale, num_v_heads), repeat_kv_heads(k_n, num_v_heads)
+    v_c, g_c, beta_c, grad_o_c = (t.to(dtype) for t in (v, g, beta, grad_o))
+    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state_shape = (num_seqs, num_v_heads, head_k_dim, v.shape[-1])
+    state = torch.zeros(state_shape, dtype=dtype, device=v.device) if initial_state is None else initial_state.to(dtype)
+    grad_state = (torch.zeros(state_shape, dtype=dtype, device=v.device) if grad_final_state is None
+                  else grad_final_state.to(dtype))
+    if cu_seqlens is None:
+        dq, dk, dv, dg, dbeta, d_state = _recurrence_backward(q_e, k_e, v_c, g_c, beta_c, state, grad_o_c, grad_state)
+    else:
+        bounds = cu_seqlens.tolist()
+        pieces, d_states = [], []
+        for n in range(num_seqs):
+            span = slice(bounds[n], bounds[n + 1])
+            *grads_n, d_state_n = _recurrence_backward(
+                q_e[:, span], k_e[:, span], v_c[:, span], g_c[:, span], beta_c[:, span], state[n:n + 1],
+                grad_o_c[:, span], grad_state[n:n + 1])
+            pieces.append(grads_n)
+            d_states.append(d_state_n)
+        dq, dk, dv, dg, dbeta = (torch.cat(parts, dim=1) for parts in zip(*pieces))
+        d_state = torch.cat(d_states, dim=0)
+    group = num_v_heads // q.shape[-2]
+    dq, dk = (x.unflatten(2, (q.shape[-2], group)).sum(3) for x in (dq, dk))  # onto the shared q/k heads
+    dq = dq * scale
+    if use_qk_l2norm_in_kernel:
+        dq, dk = _l2norm_backward(raw_q, dq), _l2norm_backward(raw_k, dk)
+    d_initial = None if initial_state is None else d_state.to(initial_state.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), d_initial)

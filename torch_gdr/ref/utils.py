@@ -3,6 +3,8 @@ triangular masks."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 L2NORM_EPS = 1e-6
@@ -25,6 +27,7 @@ def repeat_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
 
 
 _LOWER_MASKS: dict[tuple[int, bool, torch.device, torch.dtype], torch.Tensor] = {}
+_LOWER_MASKS_LOCK = threading.Lock()
 
 
 def lower_mask(c: int, device: torch.device, dtype: torch.dtype, strict: bool = False) -> torch.Tensor:
@@ -32,8 +35,8 @@ def lower_mask(c: int, device: torch.device, dtype: torch.dtype, strict: bool = 
     per size, device and dtype. Masking by a multiply costs a fraction of ``masked_fill_``
     or ``tril_`` on a batch of matrices."""
     key = (c, strict, device, dtype)
-    mask = _LOWER_MASKS.get(key)
-    if mask is None:
-        mask = torch.ones(c, c, dtype=dtype, device=device).tril(-1 if strict else 0)
-        _LOWER_MASKS[key] = mask
+    with _LOWER_MASKS_LOCK:
+        mask = _LOWER_MASKS.get(key)
+        if mask is None:
+            mask = _LOWER_MASKS[key] = torch.ones(c, c, dtype=dtype, device=device).tril(-1 if strict else 0)
     return mask

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
-from torch_gdr._validate import check_cu_seqlens_values, check_inputs
+from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
-from .kernel import SUPPORTED_CHUNK_SIZES, chunk_masks
+from .kernel import chunk_masks
+from .kernel_cache import get_gdr_kernel
+from .spec import CHUNK_SIZES
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
 #: :func:`.kernel.build_gdr_kernel`.
@@ -22,12 +24,6 @@ KernelGetter = Callable[..., Any]
 
 # Positions of the outputs among the kernel's tensor arguments.
 _O_ARG, _STATE_OUT_ARG = 8, 9
-
-
-def _default_kernel_getter() -> KernelGetter:
-    from torch_gdr.dispatch.kernel_cache import get_gdr_kernel
-
-    return get_gdr_kernel
 
 
 def pypto_chunk_gated_delta_rule_fwd(
@@ -54,7 +50,7 @@ def pypto_chunk_gated_delta_rule_fwd(
         scale: factor on q. use_qk_l2norm_in_kernel: l2-normalise q and k first.
         chunk_size: l, one of 32, 64, 128.
         kernel_getter: returns the kernel for a configuration; defaults to the compiled
-            kernel cache of :mod:`torch_gdr.dispatch.kernel_cache`.
+            kernel cache of :mod:`torch_gdr.ops.pypto.kernel_cache`.
 
     Returns:
         ``o [T, HV, V]`` fp32 and the final state ``[N, HV, K, V]`` fp32 key-first.
@@ -64,9 +60,29 @@ def pypto_chunk_gated_delta_rule_fwd(
         raise ValueError(f"q: expected the token-major shape [T, H, K], got {list(q.shape)}")
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: expected [N + 1] offsets for token-major input, got None")
-    check_cu_seqlens_values(cu_seqlens, q.shape[0])
-    if chunk_size not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(f"chunk_size: the kernel has {list(SUPPORTED_CHUNK_SIZES)}, got {chunk_size}")
+    read_cu_seqlens(cu_seqlens, q.shape[0])
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: the kernel has {list(CHUNK_SIZES)}, got {chunk_size}")
+    return launch_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale=scale,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+                          kernel_getter=kernel_getter)
+
+
+def launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    *,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    chunk_size: int,
+    kernel_getter: KernelGetter | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pypto_chunk_gated_delta_rule_fwd` on arguments its caller has checked (the op's)."""
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -85,7 +101,7 @@ def pypto_chunk_gated_delta_rule_fwd(
     has_initial_state = initial_state is not None
     state_in = fp32(initial_state) if has_initial_state else torch.zeros(1, 1, 1, 1, device=device)
     on_device = device.type == "npu"
-    getter = kernel_getter if kernel_getter is not None else _default_kernel_getter()
+    getter = kernel_getter if kernel_getter is not None else get_gdr_kernel
     kernel = getter(
         num_seqs=num_seqs,
         num_qk_heads=num_qk_heads,

@@ -55,17 +55,12 @@ import torch
 from torch_gdr.ref.utils import L2NORM_EPS  # the in-kernel l2 norm's epsilon, as in the reference
 
 from ._env import import_pypto
-
-#: Head dims the kernel is written and tested for.
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
-#: Chunk lengths the kernel supports.
-SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
+from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES
+from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 #: Size of the diagonal blocks inverted directly before the pairwise merges.
 BASE_BLOCK = 16
-#: pypto's stitch limit. The cost model (stock SIM, default workload: lengths
-#: [300, 17, 0, 130], H=2, HV=4, K=V=128, l=64) gives 1,286,449 cycles with pypto's default,
-#: 846,505 at 32 and 617,054 from 128 on (5,109,415 at 2): a wider stitch lets the
-#: independent (sequence, head) chains overlap. Larger stitches need more device workspace;
+#: pypto's stitch limit: a wider stitch lets the independent (sequence, head) chains overlap
+#: (cost-model figures in bench/RESULTS.md). Larger stitches need more device workspace;
 #: this setting has not run on hardware.
 DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 

@@ -43,29 +43,14 @@ class CacheInfo(NamedTuple):
     keys: tuple[KernelKey, ...]
 
 
-#: Chunk lengths the kernel offers, smallest first.
-CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
-
 _lock = threading.Lock()
 _kernels: dict[KernelKey, Any] = {}
 _hits = 0
 _misses = 0
 
 
-def pick_chunk_size(max_seqlen: int, requested: int) -> int:
-    """Kernel chunk length for a batch whose longest sequence has ``max_seqlen`` tokens.
-
-    Every chunk length gives the same result up to rounding, so a batch of short
-    sequences takes the shortest kernel chunk that still holds its longest sequence in one
-    chunk, when that is shorter than ``requested``: less padded work, same answer.
-    Otherwise the requested length stands.
-    """
-    covering = next((size for size in CHUNK_SIZES if size >= max_seqlen), requested)
-    return min(requested, covering)
-
-
 def _default_builder(**config: Any) -> Any:
-    from torch_gdr.ops.pypto.kernel import build_gdr_kernel
+    from .kernel import build_gdr_kernel
 
     return build_gdr_kernel(**config)
 

@@ -1,0 +1,178 @@
+"""How a backend becomes a pair of ``torch.library`` ops sharing one autograd.
+
+Every backend ``name`` has
+
+- a forward op ``gdr::_{name}_fwd`` with the public op's arguments plus
+  ``save_chunk_states``, returning ``(o, final_state, chunk_states)``: ``final_state`` is
+  empty unless ``output_final_state``, ``chunk_states`` is whatever the backend's backward
+  reads instead of recomputing the state entering every chunk (empty unless
+  ``save_chunk_states``);
+- a backward op (``gdr::_{name}_bwd``, or a given name) taking the gradients of the outputs,
+  the forward's arguments and those chunk states, returning ``(dq, dk, dv, dg, dbeta,
+  d_initial_state)`` (the last empty without an initial state).
+
+Both take the public layouts; their implementations turn the arguments into a
+:class:`~torch_gdr._layout.GdrCall` once and call the backend's raw functions, which see the
+canonical layout only. Every forward op, the public one included, registers the same
+:func:`_setup_context` and :func:`_backward`: the backward calls the backward op of the
+forward's backend. Ops trust their arguments (the public call checks them once); the public
+op checks its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+
+from torch_gdr._layout import GdrCall, canonical_call
+from torch_gdr.ref.utils import compute_dtype_for
+
+Tensor = torch.Tensor
+
+#: ``forward(call, save_chunk_states) -> (o, final_state, chunk_states or None)``, canonical layout.
+RawForward = Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[Tensor]]]
+#: ``backward(call, grad_o, grad_final_state or None, chunk_states or None) -> (dq, dk, dv, dg, dbeta,
+#: d_initial_state or None)``, canonical layout.
+RawBackward = Callable[[GdrCall, Tensor, Optional[Tensor], Optional[Tensor]], tuple[Optional[Tensor], ...]]
+#: ``rows(q, v, cu_seqlens, chunk_size)``: the first dim of the chunk states in a fake, or None
+#: for a data-dependent size.
+StatesRows = Callable[[Tensor, Tensor, Optional[Tensor], int], Optional[Union[int, Any]]]
+
+_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
+         "bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, Tensor? cu_seqlens=None, "
+         "int chunk_size=64, bool state_v_first=False")
+PUBLIC_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"
+FORWARD_SCHEMA = f"({_ARGS}, bool save_chunk_states=False) -> (Tensor, Tensor, Tensor)"
+BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+                   "float? scale, Tensor? initial_state, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, "
+                   "int chunk_size, bool state_v_first, Tensor? chunk_states=None) "
+                   "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_NUM_PUBLIC_ARGS = 12
+
+
+def final_state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], state_v_first: bool) -> list[int]:
+    """The final state's shape for arguments in the public layouts."""
+    num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else (1 if q.dim() == 3 else q.shape[0])
+    head_k_dim, (num_v_heads, head_v_dim) = q.shape[-1], v.shape[-2:]
+    inner = [head_v_dim, head_k_dim] if state_v_first else [head_k_dim, head_v_dim]
+    return [num_seqs, num_v_heads] + inner
+
+
+def fake_outputs(q: Tensor, v: Tensor, output_final_state: bool, cu_seqlens: Optional[Tensor],
+                 state_v_first: bool) -> tuple[Tensor, Tensor]:
+    """``(o, final_state)`` of a forward op in a fake (meta) call."""
+    shape = final_state_shape(q, v, cu_seqlens, state_v_first) if output_final_state else [0]
+    return v.new_empty(v.shape), v.new_empty(shape, dtype=compute_dtype_for(v.dtype))
+
+
+def run_forward(forward: RawForward, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                scale: Optional[float], initial_state: Optional[Tensor], output_final_state: bool,
+                use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int, state_v_first: bool,
+                save_chunk_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A forward op's body: canonicalise once, run ``forward``, return the public layouts."""
+    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                          state_v_first)
+    o, final_state, chunk_states = forward(call, save_chunk_states)
+    o, final_state = call.public_outputs(o, final_state)
+    if not output_final_state:
+        final_state = final_state.new_empty(0)
+    if chunk_states is None:
+        chunk_states = final_state.new_empty(0)
+    return o, final_state, chunk_states
+
+
+def _run_backward(backward: RawBackward, grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor,
+                  v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor],
+                  use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int, state_v_first: bool,
+                  chunk_states: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+    """A backward op's body: canonicalise once, run ``backward``, gradients in the public layouts."""
+    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                          state_v_first)
+    if grad_final_state is not None and grad_final_state.numel() == 0:
+        grad_final_state = None  # the forward returned no final state
+    if chunk_states is not None and chunk_states.numel() == 0:
+        chunk_states = None  # none were saved
+    grads = backward(call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state), chunk_states)
+    return call.public_grads(*grads)
+
+
+def _fake_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                   cu_seqlens, chunk_size, state_v_first, chunk_states=None):
+    d_initial = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0)
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta)) + (d_initial,)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple, *, backward_op: Any) -> None:
+    """The one setup_context of every forward op: saves the inputs (and the chunk states a
+    backend's forward op returned) for ``backward_op``, the backward of its backend."""
+    (q, k, v, g, beta, scale, initial_state, _, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+     state_v_first) = inputs[:_NUM_PUBLIC_ARGS]
+    chunk_states = output[2] if len(output) == 3 else None
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_states)
+    ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first)
+    ctx.backward_op = backward_op
+    ctx.num_inputs = len(inputs)
+    if chunk_states is not None:
+        ctx.mark_non_differentiable(chunk_states)
+    # Gradients of unused outputs come as None rather than zeros: a non-differentiable output
+    # would otherwise get a zero "gradient" of its own size (as large as the states).
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], *_: Any) -> tuple:
+    """The one autograd backward of every forward op: its backend's backward op."""
+    q, k, v, g, beta, initial_state, cu_seqlens, chunk_states = ctx.saved_tensors
+    scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first = ctx.options
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, d_initial = ctx.backward_op(
+        grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+        chunk_size, state_v_first, chunk_states)
+    grads = (dq, dk, dv, dg, dbeta, None, d_initial if initial_state is not None else None)
+    return grads + (None,) * (ctx.num_inputs - len(grads))
+
+
+def register_autograd(forward_op: Any, backward_op: Any) -> None:
+    """Give ``forward_op`` (public or a backend's) the shared autograd, backed by ``backward_op``."""
+    forward_op.register_autograd(_backward, setup_context=functools.partial(_setup_context, backward_op=backward_op))
+
+
+def define_backward_op(qualname: str, backward: RawBackward) -> Any:
+    """The backward op ``qualname`` running ``backward`` (canonical layout)."""
+    op = torch.library.custom_op(qualname, functools.partial(_run_backward, backward), mutates_args=(),
+                                 schema=BACKWARD_SCHEMA)
+    op.register_fake(_fake_backward)
+    return op
+
+
+def define_backend(name: str, forward: RawForward, backward_op: Any,
+                   states_rows: Optional[StatesRows] = None) -> Any:
+    """The forward op ``gdr::_{name}_fwd`` running ``forward``, with the shared autograd
+    backed by ``backward_op``. In a fake, its chunk states are ``[rows, K, V]`` with
+    ``rows = states_rows(q, v, cu_seqlens, chunk_size)`` (None: a data-dependent size);
+    a backend without ``states_rows`` never returns any (an empty tensor)."""
+
+    def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
+            save_chunk_states=False):
+        return run_forward(forward, q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first, save_chunk_states)
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
+             save_chunk_states=False):
+        o, final_state = fake_outputs(q, v, output_final_state, cu_seqlens, state_v_first)
+        if not save_chunk_states or states_rows is None:
+            return o, final_state, final_state.new_empty(0)
+        rows = states_rows(q, v, cu_seqlens, chunk_size)
+        if rows is None:
+            rows = torch.library.get_ctx().new_dynamic_size()
+        return o, final_state, final_state.new_empty([rows, q.shape[-1], v.shape[-1]])
+
+    op = torch.library.custom_op(f"gdr::_{name}_fwd", run, mutates_args=(), schema=FORWARD_SCHEMA)
+    op.register_fake(fake)
+    register_autograd(op, backward_op)
+    return op

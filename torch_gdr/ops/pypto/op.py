@@ -1,0 +1,75 @@
+"""The ``"pypto"`` backend's ops, and the NPU kernel of the public op.
+
+``gdr::_pypto_fwd`` runs the PyPTO forward kernel: on Ascend NPU tensors on the device, on
+CPU tensors through PyPTO's verify interpreter (a correctness check, not fast). Its backward
+op ``gdr::_pypto_bwd`` runs the pure-torch chunked backward on the same device (recomputing
+the chunk states). Both ops trust their arguments: the caller (the public call, through
+:mod:`torch_gdr.dispatch`) has checked them and checked that :func:`spec.unsupported_reason`
+is None.
+
+On NPU tensors the public op ``torch.ops.gdr.chunked_gated_delta_rule`` runs the kernel too
+(its ``PrivateUse1`` kernel, registered here); where the kernel cannot serve a call it warns
+once per reason (:mod:`torch_gdr._fallback`) and runs the pure-torch forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_gdr._fallback import refuse_or_warn
+from torch_gdr._layout import GdrCall
+from torch_gdr._validate import check_inputs
+from torch_gdr.ops._define import define_backend, define_backward_op, run_forward
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+
+from . import spec
+from .forward import launch_forward
+
+Tensor = torch.Tensor
+
+
+def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The kernel on a call in the canonical layout: B equal-length sequences are packed as
+    varlen (the kernel reads token-major input with offsets)."""
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    batch_size, seq_len = q.shape[:2]
+    cu_seqlens = call.cu_seqlens
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch_size + 1, device=q.device) * seq_len
+    chunk_size = spec.pick_chunk_size(max(call.seq_lens, default=0), call.chunk_size)
+    o, final_state = launch_forward(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1), cu_seqlens,
+        None if call.initial_state is None else call.initial_state.float(),
+        scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
+    return o.view(v.shape).to(v.dtype), final_state, None
+
+
+def _pure_torch_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
+                         chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """The kernel's states are not the pure-torch layout's: recompute them."""
+    return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
+
+
+pypto_bwd = define_backward_op("gdr::_pypto_bwd", _pure_torch_backward)
+pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd)
+
+
+def _npu_public_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False):
+    """The public op on Ascend NPU tensors: the kernel, or the pure-torch forward (with one
+    warning per reason) where it cannot serve the call."""
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
+    forward = pypto_forward
+    reason = spec.unsupported_reason(q, v, chunk_size)
+    if reason is not None:
+        refuse_or_warn("pypto", reason, named=False)
+        forward = chunk_gated_delta_rule_fwd
+    o, final_state, _ = run_forward(forward, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first, False)
+    return o, final_state
+
+
+torch.library.register_kernel("gdr::chunked_gated_delta_rule", "privateuseone", _npu_public_op)

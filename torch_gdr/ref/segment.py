@@ -36,14 +36,31 @@ def bmm(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return out
 
 
-def pairwise_decay(gamma: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """``Gamma [.., C, C]``: ``exp(gamma_r - gamma_s)`` on and below the diagonal, 0 above.
-    The differences above the diagonal are zeroed before the exp (large positive ones could
-    overflow) and the exp's ones there after it: two multiplies by a 0/1 mask, far cheaper
-    than filling with -inf (whose exp also takes a slow path)."""
-    lower = lower_mask(gamma.shape[-1], gamma.device, gamma.dtype)
-    diff = torch.sub(gamma[..., :, None], gamma[..., None, :], out=out)
-    return diff.mul_(lower).exp_().mul_(lower)
+def pairwise_decay(g: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``Gamma [.., C, C]`` of the per-token log decays ``g [.., C]`` of a chunk:
+    ``exp(sum of g over (s, r])`` on and below the diagonal, 0 above.
+
+    The exponents are partial sums of ``g`` taken directly (a cumsum down each column of the
+    strictly lower part), never the difference of two cumulative sums: with a token of
+    ``g = -1e6`` in the chunk those would cancel (float32 keeps no digits of the small decays
+    beside it), and with ``g = -inf`` (a reset) give ``-inf - (-inf) = nan``. Above the
+    diagonal the exponent is 0 and the exp's ones are masked by a multiply afterwards."""
+    c = g.shape[-1]
+    strict = lower_mask(c, g.device, torch.bool, strict=True)  # [t, s]: t > s
+    exponent = torch.where(strict, g[..., :, None], 0.0)  # [.., t, s]: g_t where t > s
+    if out is not None:
+        out.copy_(exponent)
+        exponent = out
+    exponent.cumsum_(-2)  # [.., r, s]: the sum of g_t over s < t <= r
+    return exponent.exp_().mul_(lower_mask(c, g.device, g.dtype))
+
+
+def decay_to_chunk_end(g: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``exp(gamma_C - gamma_r) [.., C]``: the decay from token r to the chunk's end, from the
+    sum of ``g`` over the tokens after r (a reverse cumsum), not a difference of cumsums."""
+    after = torch.zeros_like(g) if out is None else out.zero_()
+    after[..., :-1] = g[..., 1:].flip(-1).cumsum(-1).flip(-1)
+    return after.exp_()
 
 
 @dataclass
@@ -150,10 +167,11 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
         layout.load(q, span, out=qk[:, :, :c], rnorm_out=None if rnorm is None else rnorm[:, :, :c])
     key = layout.load(k, span, out=qk[:, :, c:], rnorm_out=None if rnorm is None else rnorm[:, :, c:])
     rows = slice(c, 2 * c) if states_only else slice(0, 2 * c)
-    gamma = layout.load(g, span, out=ws("gamma", num, c)).cumsum_(-1)
+    g_c = layout.load(g, span, out=ws("g", num, c))
+    gamma = torch.cumsum(g_c, -1, out=ws("gamma", num, c))
     beta_c = layout.load(beta, span, out=ws("beta", num, c))
     gamma_exp = torch.exp(gamma, out=ws("gamma_exp", num, c))
-    decay = pairwise_decay(gamma, out=ws("decay", num, c, c))
+    decay = pairwise_decay(g_c, out=ws("decay", num, c, c))
 
     sim = ws("sim", num, 2 * c, c)
     bmm(qk[:, :, rows], key.mT, out=sim[:, :, rows])  # [Q; K] K^T
@@ -177,7 +195,7 @@ def load_segment(layout: ChunkLayout, q: Tensor, k: Tensor, v: Tensor, g: Tensor
     t_scaled = torch.mul(inverse, beta_c[..., None, :], out=scratch)  # scratch (-beta G) is spent
     u = bmm(t_scaled, v_c, out=ws("u", num, c, head_v_dim))
     w = bmm(t_scaled.mul_(gamma_exp[..., None, :]), key, out=ws("w", num, c, head_k_dim))
-    k_scale = torch.sub(gamma[..., -1:], gamma, out=ws("k_scale", num, c)).exp_()
+    k_scale = decay_to_chunk_end(g_c, out=ws("k_scale", num, c))
     k_decayed = torch.mul(key, k_scale[..., None], out=ws("k_decayed", num, c, head_k_dim))
     return Segment(qk, rnorm, v_c, beta_c, gamma, gamma_exp, decay, sim, inverse, u, w, k_scale, k_decayed)
 

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 #: The only PyPTO release whose private internals :mod:`.interpreter` knows.
 SUPPORTED_PYPTO_VERSION = "0.2.0"
 
@@ -136,8 +138,10 @@ def import_pypto() -> ModuleType:
     return pypto
 
 
+@torch.compiler.assume_constant_result
 def is_pypto_available() -> bool:
-    """True when :func:`import_pypto` succeeds."""
+    """True when :func:`import_pypto` succeeds (a constant to ``torch.compile``: it imports
+    nothing while a graph is traced)."""
     try:
         import_pypto()
     except PyptoUnavailableError:

@@ -1,0 +1,86 @@
+"""Extreme inputs: decays down to a full reset (g = -inf) and non-finite values, against the
+recurrence (issue 16, items 4 and 5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_gdr
+from tests.helpers import make_inputs
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+BACKENDS = ["torch", "recurrent"]
+
+
+def _extreme_gates(g: torch.Tensor, big: float) -> torch.Tensor:
+    """g = -0.01 everywhere, every 7th token at ``big``: within a chunk, cumulative sums of
+    these cancel in float32 when differenced."""
+    gates = torch.full_like(g, -0.01)
+    gates[:, ::7] = big
+    return gates
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("big", [-1e3, -1e4, -1e5, -1e6, float("-inf")])
+def test_extreme_decays_keep_the_recurrences_accuracy(big: float, chunk_size: int, backend: str) -> None:
+    inputs = make_inputs(seq_len=200, num_qk_heads=1, num_v_heads=2, dtype=torch.float32, with_initial_state=True)
+    inputs["g"] = _extreme_gates(inputs["g"], big)
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(**{n: t.double() for n, t in inputs.items()},
+                                                        use_qk_l2norm_in_kernel=True)
+    fp32_o, _ = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+    o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            chunk_size=chunk_size, backend=backend)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    recurrence_err = (fp32_o.double() - exact_o).abs().max().item()
+    bound = max(4 * recurrence_err, 1e-6)
+    assert (o.double() - exact_o).abs().max().item() <= bound
+    assert (s.double() - exact_s).abs().max().item() <= 4 * bound
+
+
+@pytest.mark.parametrize("big", [-1e6, float("-inf")])
+def test_gradients_under_extreme_decays(big: float) -> None:
+    inputs = make_inputs(seqlens=[100, 37], num_qk_heads=1, num_v_heads=2, with_initial_state=True)
+    inputs["g"] = _extreme_gates(inputs["g"], big)
+    grads = {}
+    for name, fn in (("reference", naive_recurrent_gated_delta_rule), ("torch", torch_gdr.chunk_gated_delta_rule)):
+        leaves = {n: (t.clone().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+        o, s = fn(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  **({} if name == "reference" else dict(chunk_size=32)))
+        (o.sin().sum() + s.square().sum()).backward()
+        grads[name] = {n: t.grad for n, t in leaves.items() if t.is_floating_point()}
+    for n, expected in grads["reference"].items():
+        assert torch.isfinite(grads["torch"][n]).all(), n
+        torch.testing.assert_close(grads["torch"][n], expected, atol=1e-10, rtol=1e-10, msg=n)
+
+
+# name: (tensor, index into [B, T, ...], value)
+NONFINITE = {
+    "v_nan": ("v", (0, 50, 1, 3), float("nan")),
+    "v_inf_second_sequence": ("v", (0, 210, 1, 3), float("inf")),
+    "k_inf": ("k", (0, 77, 0, 2), float("inf")),
+    "beta_nan": ("beta", (0, 120, 0), float("nan")),
+    "g_nan": ("g", (0, 33, 1), float("nan")),
+    "g_plus_inf": ("g", (0, 33, 1), float("inf")),
+    "q_nan": ("q", (0, 70, 0, 1), float("nan")),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(NONFINITE))
+def test_a_nonfinite_input_spreads_only_as_in_the_recurrence(case: str, backend: str) -> None:
+    """Outputs before the bad token stay finite (and right); what the recurrence makes
+    non-finite is non-finite, element for element."""
+    name, index, value = NONFINITE[case]
+    inputs = make_inputs(seqlens=[200, 30], num_qk_heads=1, num_v_heads=2, dtype=torch.float32)
+    inputs[name][index] = value
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(
+        **{n: (t.double() if t.is_floating_point() else t) for n, t in inputs.items()}, use_qk_l2norm_in_kernel=True)
+    o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            backend=backend)
+    assert torch.equal(torch.isfinite(o), torch.isfinite(exact_o))
+    assert torch.equal(torch.isfinite(s), torch.isfinite(exact_s))
+    finite = torch.isfinite(exact_o)
+    assert (o.double() - exact_o)[finite].abs().max().item() < 1e-5
+    assert torch.isfinite(o[0, : index[1]]).all(), "an output before the bad token is not finite"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,7 +54,32 @@ BAD_INPUTS: dict[str, tuple[Callable[[], None], type, str]] = {
     "cu_short_end": (lambda: _varlen(cu_seqlens=torch.tensor([0, 4, 8])), ValueError,
                      r"cu_seqlens: expected the last offset to equal the number of tokens T = 10, got 8"),
     "cu_past_end": (lambda: _varlen(cu_seqlens=torch.tensor([0, 4, 12])), ValueError, r"T = 10, got 12"),
+    "batch_0": (lambda: _call(**_sized(batch_size=0)), ValueError, r"q: expected a batch of at least one sequence"),
+    "hv_0": (lambda: _call(v=torch.randn(2, 10, 0, 6), g=torch.randn(2, 10, 0), beta=torch.rand(2, 10, 0)),
+             ValueError, r"v: expected at least one value heads HV, got shape \[2, 10, 0, 6\]"),
+    "k_0": (lambda: _call(q=torch.randn(2, 10, 2, 0), k=torch.randn(2, 10, 2, 0)), ValueError,
+            r"q: expected at least one key dim K"),
+    "initial_state_list": (lambda: _call(initial_state=[[0.0]]), TypeError,
+                           r"initial_state: expected a torch.Tensor or None, got list"),
+    "chunk_size_float": (lambda: _call(chunk_size=64.0), TypeError, r"chunk_size: expected an int.*got float 64.0"),
+    "chunk_size_bool": (lambda: _call(chunk_size=True), TypeError, r"chunk_size: expected an int.*got bool"),
+    "scale_bool": (lambda: _call(scale=True), TypeError, r"scale: expected a float or None, got bool"),
+    "scale_string": (lambda: _call(scale="0.5"), TypeError, r"scale: expected a float or None, got str"),
+    "scale_vector": (lambda: _call(scale=torch.ones(2)), TypeError, r"scale: .*shape \[2\]"),
+    "scale_with_grad": (lambda: _call(scale=torch.tensor(0.5, requires_grad=True)), TypeError,
+                        r"scale: .*requires_grad=True"),
 }
+
+
+def _sized(**sizes) -> dict:
+    spec = dict(batch_size=2, seq_len=10, num_qk_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
+    spec.update(sizes)
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, hv, k, v = (spec[n] for n in ("batch_size", "seq_len", "num_qk_heads", "num_v_heads", "head_k_dim",
+                                           "head_v_dim"))
+    return dict(q=torch.randn(b, t, h, k, generator=gen), k=torch.randn(b, t, h, k, generator=gen),
+                v=torch.randn(b, t, hv, v, generator=gen), g=-torch.rand(b, t, hv, generator=gen),
+                beta=torch.rand(b, t, hv, generator=gen))
 
 
 @pytest.mark.parametrize("backend", ["torch", "recurrent"])
@@ -64,6 +90,27 @@ def test_bad_input_raises_a_clear_error(case: str, backend: str, monkeypatch: py
         monkeypatch.setenv("TORCH_GDR_BACKEND", backend)
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), 0.5], ids=str)
+def test_scale_as_numpy_or_0d_tensor_is_the_float(scale) -> None:
+    """The function and the op take the same scales: reals and 0-d tensors without grad."""
+    inputs = make_inputs(seq_len=10, dtype=torch.float32)
+    args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    expected, _ = torch_gdr.chunk_gated_delta_rule(*args, scale=0.5)
+    for got in (torch_gdr.chunk_gated_delta_rule(*args, scale=scale)[0],
+                torch.ops.gdr.chunked_gated_delta_rule(*args, scale=scale)[0]):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_backend_environment_variable_is_stripped_and_lower_cased(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_GDR_BACKEND", "  Recurrent\n")
+    from torch_gdr.dispatch import resolve_backend
+
+    assert resolve_backend(None, torch.device("cpu")) == "recurrent"
+    monkeypatch.setenv("TORCH_GDR_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"TORCH_GDR_BACKEND: expected one of .*got 'fast'"):
+        resolve_backend(None, torch.device("cpu"))
 
 
 def test_the_op_checks_values_when_called_directly() -> None:

@@ -130,12 +130,18 @@ def check_inputs(
 
 
 def check_scale(scale: object) -> None:
-    """``scale``: None or a real number (Python or NumPy scalar); not a bool, not a tensor."""
+    """``scale``: None, a real number (Python or NumPy scalar, not a bool) or a 0-d floating
+    tensor that needs no gradient (the op's schema reads it as a float, as it reads the
+    others; a gradient for it would be lost)."""
     if scale is None:
         return
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or not scale.is_floating_point() or scale.requires_grad:
+            raise TypeError(f"scale: expected a float or None (or a 0-d floating tensor without grad), got a tensor "
+                            f"of shape {_shape(scale)}, dtype {scale.dtype}, requires_grad={scale.requires_grad}")
+        return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        hint = " (pass a Python float, e.g. scale.item())" if isinstance(scale, torch.Tensor) else ""
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}{hint}")
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__} {scale!r}")
 
 
 def check_chunk_size(chunk_size: object) -> None:

@@ -1,5 +1,5 @@
-"""Test-wide settings and fixtures: no files left in the working directory, reproducible CI
-runs, a probe of the backward's recompute pass."""
+"""Test-wide settings and fixtures: one torch thread, no files left in the working directory,
+reproducible CI runs, a probe of the backward's recompute pass."""
 
 import atexit
 import os
@@ -7,8 +7,23 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
+
+# One torch thread per test process: the suite's calls are small, and on a loaded 2-core
+# machine several threads per op cost far more than they give (OpenMP regions spin). A test
+# that needs threads sets them itself, with the ``torch_threads`` fixture.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def torch_threads():
+    """``torch_threads(n)`` sets the intra-op thread count for the test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
 
 # Hypothesis keeps caches (and by default an example database) in ./.hypothesis: send them
 # to a temporary directory removed at exit.

@@ -157,19 +157,16 @@ def read_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[int, ...
     """The offsets of ``cu_seqlens [N + 1]`` on the host, checked: they start at 0, never
     decrease and end at T. This is a call's one read of ``cu_seqlens`` (a host sync on
     accelerators); call it only on real tensors."""
-    offsets = cu_seqlens.detach().to("cpu", torch.int64)
-    if offsets[0].item() != 0:
-        raise ValueError(f"cu_seqlens: expected the first offset to be 0, got {offsets[0].item()}")
-    steps = offsets[1:] - offsets[:-1]
-    if bool((steps < 0).any()):
-        where = int(torch.nonzero(steps < 0)[0, 0].item())
+    offsets = cu_seqlens.detach().to("cpu", torch.int64).tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected the first offset to be 0, got {offsets[0]}")
+    for where, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if end < start:
+            raise ValueError(
+                f"cu_seqlens: expected non-decreasing offsets, got {start} followed by {end} at index {where}"
+            )
+    if offsets[-1] != num_tokens:
         raise ValueError(
-            f"cu_seqlens: expected non-decreasing offsets, got {offsets[where].item()} followed by "
-            f"{offsets[where + 1].item()} at index {where}"
+            f"cu_seqlens: expected the last offset to equal the number of tokens T = {num_tokens}, got {offsets[-1]}"
         )
-    if offsets[-1].item() != num_tokens:
-        raise ValueError(
-            f"cu_seqlens: expected the last offset to equal the number of tokens T = {num_tokens}, "
-            f"got {offsets[-1].item()}"
-        )
-    return tuple(offsets.tolist())
+    return tuple(offsets)

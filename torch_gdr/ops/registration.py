@@ -51,16 +51,23 @@ torch_chunked_fwd = define_backend("torch", chunk_gated_delta_rule_fwd, chunked_
                                    _torch_states_rows)
 
 
+def _host_offsets(call: GdrCall) -> Optional[Tensor]:
+    """The call's offsets as a CPU tensor: the recurrence reads them without another sync."""
+    return None if call.offsets is None else torch.tensor(call.offsets)
+
+
 def _recurrent_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, None]:
     o, final_state = naive_recurrent_gated_delta_rule(call.q, call.k, call.v, call.g, call.beta, call.scale,
-                                                      call.initial_state, True, call.use_qk_l2norm, call.cu_seqlens)
+                                                      call.initial_state, True, call.use_qk_l2norm,
+                                                      _host_offsets(call))
     return o, final_state, None
 
 
 def _recurrent_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
                         chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
     return naive_recurrent_gated_delta_rule_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta,
-                                                call.scale, call.initial_state, call.use_qk_l2norm, call.cu_seqlens)
+                                                call.scale, call.initial_state, call.use_qk_l2norm,
+                                                _host_offsets(call))
 
 
 recurrent_bwd = define_backward_op("gdr::_recurrent_bwd", _recurrent_backward)

@@ -10,9 +10,9 @@ import sys
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 import torch_gdr
+from torch_gdr import testing
 
 CHUNK = 64
 # (B, T, H = HV, K = V): the shapes of the issue.
@@ -21,14 +21,11 @@ SHAPES = {"4096x4": (1, 4096, 4, 128), "16384x2": (1, 16384, 2, 128)}
 
 def make_inputs(batch: int, seq_len: int, heads: int, dim: int, dtype=torch.float32, seed: int = 0,
                 requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
-    """Realistic inputs: unit-norm q/k, g = logsigmoid(x), beta = sigmoid(x)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(batch, seq_len, heads, dim, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(batch, seq_len, heads, dim, generator=gen), dim=-1)
-    v = torch.randn(batch, seq_len, heads, dim, generator=gen)
-    g = F.logsigmoid(torch.randn(batch, seq_len, heads, generator=gen))
-    beta = torch.sigmoid(torch.randn(batch, seq_len, heads, generator=gen))
-    return tuple(t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v, g, beta))
+    """``(q, k, v, g, beta)`` of :func:`torch_gdr.testing.make_inputs` at a bench shape (H = HV,
+    K = V = dim, unit-norm q/k)."""
+    x = testing.make_inputs(batch_size=batch, seq_len=seq_len, num_qk_heads=heads, num_v_heads=heads, head_k_dim=dim,
+                            head_v_dim=dim, dtype=dtype, seed=seed, normalize_qk=True, requires_grad=requires_grad)
+    return tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
 
 
 def forward_flops(num_tokens: int, heads: int, dim: int, chunk: int = CHUNK) -> float:

@@ -14,10 +14,11 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torch_gdr
 from tests.helpers import TEST_DEVICE, canonical
+from torch_gdr.testing import make_inputs as _make_inputs
+from torch_gdr.testing import rmse_ratio as _rmse_ratio
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -47,35 +48,26 @@ class Case:
 
 
 def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    b, t = case.batch, case.seq_len
-    q = randn(b, t, case.heads, case.k_dim)
-    k = randn(b, t, case.heads, case.k_dim)
-    if not case.l2norm:  # the kernel-side norm is off: feed normalised keys, as models do
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = randn(b, t, case.v_heads, case.v_dim)
-    g = {"logsigmoid": F.logsigmoid(randn(b, t, case.v_heads)),
-         "strong": -30 + 0.1 * randn(b, t, case.v_heads),
-         "zero": torch.zeros(b, t, case.v_heads, dtype=torch.float64)}[case.gate]
-    beta = torch.sigmoid(randn(b, t, case.v_heads))
+    """The tensors of ``case`` (q, k, v in ``dtype``; g, beta and the initial state in float32
+    unless float64), and random gradients ``do`` and ``dht`` for the usual loss."""
+    seqlens = None if case.cu_seqlens is None else [b - a for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:])]
+    t = _make_inputs(batch_size=case.batch, seq_len=case.seq_len, seqlens=seqlens, num_qk_heads=case.heads,
+                     num_v_heads=case.v_heads,
+                     head_k_dim=case.k_dim, head_v_dim=case.v_dim, gate=case.gate, seed=seed,
+                     normalize_qk=not case.l2norm,  # the kernel-side norm is off: normalised keys, as models do
+                     with_initial_state=case.initial_state, device=TEST_DEVICE)
+    low = torch.float64 if dtype == torch.float64 else torch.float32
+    tensors = dict(q=t["q"].to(dtype), k=t["k"].to(dtype), v=t["v"].to(dtype), g=t["g"].to(low),
+                   beta=t["beta"].to(low), initial_state=None)
     state = (case.num_seqs, case.v_heads) + ((case.v_dim, case.k_dim) if case.state_v_first
                                              else (case.k_dim, case.v_dim))
-    h0 = randn(*state) if case.initial_state else None
-    do = randn(b, t, case.v_heads, case.v_dim)
-    dht = randn(*state) if case.final_grad else None
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
-    tensors = {n: (x.to(dtype) if x is not None and n not in ("g", "beta", "initial_state") else x)
-               for n, x in tensors.items()}
-    if dtype != torch.float64:
-        tensors["g"], tensors["beta"] = tensors["g"].float(), tensors["beta"].float()
-        if h0 is not None:
-            tensors["initial_state"] = h0.float()
-    tensors = {n: (x.to(TEST_DEVICE) if x is not None else None) for n, x in tensors.items()}
-    return dict(tensors=tensors, do=do.to(TEST_DEVICE), dht=None if dht is None else dht.to(TEST_DEVICE))
+    if case.initial_state:
+        h0 = t["initial_state"]
+        tensors["initial_state"] = (h0.transpose(-1, -2) if case.state_v_first else h0).contiguous().to(low)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(t["v"].shape, generator=gen, dtype=torch.float64).to(TEST_DEVICE)
+    dht = torch.randn(state, generator=gen, dtype=torch.float64).to(TEST_DEVICE) if case.final_grad else None
+    return dict(tensors=tensors, do=do, dht=dht)
 
 
 def _loss_grads(fn, case: Case, tensors: dict, do: torch.Tensor, dht: Optional[torch.Tensor]) -> dict:
@@ -124,12 +116,11 @@ def reference_grads(case: Case, data: dict) -> dict:
     return _loss_grads(_naive, case, tensors, data["do"], data["dht"])
 
 
-def rmse_ratio(ref: torch.Tensor, out: torch.Tensor, floor: float = 1e-6) -> float:
-    """``rmse(ref - out) / rms(ref)``, the rms floored at ``floor``: with O(1) inputs a
-    gradient of rms below 1e-6 is zero up to rounding (e.g. dg under g = -30, ~1e-14), and
-    a relative error of it would only measure noise."""
-    ref, out = ref.double(), out.double()
-    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(floor)).item()
+def rmse_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """The rmse ratio with the rms floored at 1e-6: with O(1) inputs a gradient of rms below
+    1e-6 is zero up to rounding (e.g. dg under g = -30, ~1e-14), and a relative error of it
+    would only measure noise."""
+    return _rmse_ratio(ref, out, floor=1e-6)
 
 
 CASES = {
@@ -229,14 +220,17 @@ def test_gradcheck_fp64(case: Case) -> None:
 @pytest.mark.parametrize("case", [Case(seq_len=20), Case(seq_len=19, heads=1, v_heads=2, l2norm=True,
                                                          cu_seqlens=(0, 0, 5, 19), state_v_first=True)],
                          ids=["plain", "varlen"])
-def test_opcheck(case: Case) -> None:
+@pytest.mark.parametrize("output_final_state", [True, False])
+def test_opcheck(case: Case, output_final_state: bool) -> None:
+    """The public op and its backward op."""
     data = make_inputs(case, torch.float32)
     t = data["tensors"]
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
     args = tuple(t[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta"))
     h0 = t["initial_state"].detach().clone().requires_grad_()
     torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule.default,
-                          args + (case.scale, h0, True, case.l2norm, cu, case.chunk, case.state_v_first))
+                          args + (case.scale, h0, output_final_state, case.l2norm, cu, case.chunk,
+                                  case.state_v_first))
     grad_o = torch.randn_like(t["v"])
     dht = torch.randn_like(t["initial_state"])
     torch.library.opcheck(torch.ops.gdr.chunked_gated_delta_rule_backward.default,

@@ -1,0 +1,41 @@
+"""``torch.compile(fullgraph=True)`` through every backend: forward and backward in one
+graph, the same values and gradients as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_gdr
+from tests.helpers import make_inputs
+from torch_gdr.ops.pypto import is_pypto_available
+
+BACKENDS = ["torch", "recurrent",
+            pytest.param("pypto", marks=pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_forward_and_backward(backend: str) -> None:
+    head_dim = 64 if backend == "pypto" else 16  # the kernel's head dims
+    inputs = make_inputs(seqlens=[40, 0, 9], num_qk_heads=1, num_v_heads=2, head_k_dim=head_dim,
+                         head_v_dim=head_dim, with_initial_state=True, dtype=torch.float32)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def loss(q, k, v, g, beta, initial_state):
+        o, s = torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                cu_seqlens=inputs["cu_seqlens"], backend=backend)
+        return (o * o).sum() + s.sum()
+
+    def grads(fn):
+        leaves = [inputs[n].detach().clone().requires_grad_() for n in names]
+        value = fn(*leaves)
+        return value, torch.autograd.grad(value, leaves)
+
+    torch._dynamo.reset()
+    got, got_grads = grads(torch.compile(loss, fullgraph=True, backend="aot_eager"))
+    want, want_grads = grads(loss)
+    torch.testing.assert_close(got, want)
+    for name, g, w in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(g, w, msg=name)

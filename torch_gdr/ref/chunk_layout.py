@@ -32,14 +32,13 @@ Tensor = torch.Tensor
 
 # Matrices per batched matmul a segment aims at: large enough for efficient bmm, small
 # enough that a segment's temporaries stay a few MiB (in cache) on a CPU. Forward and
-# backward must segment a call alike (the backward reads the forward's state blocks). On a
-# 2-core AVX-512 VM, 24 to 48 timed alike for both; the backward's workspace is ~0.6 MiB a
-# matrix, so the smallest of those keeps its peak memory lowest.
+# backward must segment a call alike (the backward reads the forward's state blocks). The
+# backward's workspace is ~0.6 MiB a matrix, so the smallest size that times as well as
+# larger ones keeps its peak memory lowest (bench/RESULTS.md has the timings).
 SEGMENT_MATRICES = 24
 # On accelerators the bound is memory, not cache, and every segment costs dozens of kernel
 # launches: a segment of this many matrices keeps temporaries at a few hundred MiB at
-# C = 64, D = 128 (measured on an H200: 24 matrices a segment spent ~2 ms a chunk in
-# launches at 32 heads).
+# C = 64, D = 128 while amortising the launches (bench/RESULTS.md, GPU section).
 ACCELERATOR_SEGMENT_MATRICES = 2048
 
 

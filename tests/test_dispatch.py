@@ -14,13 +14,17 @@ import pytest
 import torch
 
 import torch_gdr
-from tests.helpers import make_inputs
+from tests.helpers import TEST_DEVICE, make_inputs
 from torch_gdr import _fallback
 from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning
 from torch_gdr.dispatch import backends
 from torch_gdr.ops.pypto import is_pypto_available, kernel_cache, spec
 
 needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not installed")
+# PyPTO serves CPU (its interpreter) and NPU tensors; on others (TORCH_GDR_TEST_DEVICE=cuda)
+# every call's reason is the device itself, so the table of other reasons does not apply.
+on_pypto_device = pytest.mark.skipif(TEST_DEVICE.type != "cpu",
+                                     reason=f"on {TEST_DEVICE.type} tensors PyPTO's only reason is the device")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,6 +75,7 @@ def _split(changes: dict) -> tuple[dict, dict]:
     return {k: v for k, v in changes.items() if k != "chunk_size"}, call
 
 
+@on_pypto_device
 @pytest.mark.parametrize("reason", list(FALLBACKS))
 def test_default_backend_falls_back_with_one_warning(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
     changes, patch, text = FALLBACKS[reason]
@@ -88,6 +93,7 @@ def test_default_backend_falls_back_with_one_warning(reason: str, npu_host, monk
         torch.testing.assert_close(g, e, atol=0, rtol=0)
 
 
+@on_pypto_device
 def test_training_fallback_keeps_the_chunk_states(npu_host, recompute_passes: list) -> None:
     """Where the kernel cannot serve a training call, the fallback is the "torch" backend's
     own path: the same gradients, and a backward that reads the kept chunk states instead of
@@ -108,6 +114,7 @@ def test_training_fallback_keeps_the_chunk_states(npu_host, recompute_passes: li
         torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
 
+@on_pypto_device
 @pytest.mark.parametrize("reason", list(FALLBACKS))
 def test_named_backend_raises_instead(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
     changes, patch, text = FALLBACKS[reason]
@@ -118,6 +125,7 @@ def test_named_backend_raises_instead(reason: str, npu_host, monkeypatch: pytest
         torch_gdr.chunk_gated_delta_rule(**_inputs(**spec), **call, backend="pypto")
 
 
+@on_pypto_device
 @pytest.mark.parametrize("reason", ["head_dim", "pypto_absent"])
 def test_strict_mode_turns_fallbacks_into_errors(reason: str, npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
     changes, patch, text = FALLBACKS[reason]
@@ -161,6 +169,7 @@ def test_broken_torch_npu_means_no_npu_and_never_loads_at_import(tmp_path: Path)
 
 
 @needs_pypto
+@on_pypto_device
 def test_pypto_public_call_matches_reference_and_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batched (non-varlen) fp16 input, value-first state: the layout work around the kernel."""
     kernel_cache.cache_clear()

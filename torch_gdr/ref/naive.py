@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from torch_gdr._layout import default_scale
 from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for, l2norm, repeat_kv_heads
 
 
@@ -63,7 +64,7 @@ def naive_recurrent_gated_delta_rule(
     """
     out_dtype, dtype = v.dtype, compute_dtype_for(v.dtype)
     num_v_heads = v.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
@@ -148,7 +149,7 @@ def naive_recurrent_gated_delta_rule_bwd(
     ``(dq, dk, dv, dg, dbeta, d_initial_state or None)`` in the dtypes of the inputs."""
     dtype = compute_dtype_for(v.dtype)
     num_v_heads, head_k_dim = v.shape[2], q.shape[-1]
-    scale = head_k_dim ** -0.5 if scale is None else scale
+    scale = default_scale(head_k_dim) if scale is None else scale
     raw_q, raw_k = q.to(dtype), k.to(dtype)
     q_n, k_n = (l2norm(raw_q), l2norm(raw_k)) if use_qk_l2norm_in_kernel else (raw_q, raw_k)
     q_e, k_e = repeat_kv_heads(q_n * scale, num_v_heads), repeat_kv_heads(k_n, num_v_heads)

@@ -8,7 +8,7 @@ Per sequence and value head, with a key-first state ``S [K, V]``, ``a_t = exp(g_
     o_t  = a_t S^T y_t + (k_t . y_t) u_t          = S_new^T y_t
     S   <- a_t S + k_t u_t^T
 
-so the state is read once by a matmul and written once by ``S.mul_(a).baddbmm_(k, u)``;
+so the state is read once by a matmul and written by ``S.mul_(a).addcmul_(k, u^T)``;
 ``o_t`` needs no second read of the new state. Everything is plain differentiable torch
 (autograd runs through it; in place only where autograd is off). The compute dtype is
 float32 (float64 when q, k or v is float64), whatever the input dtypes: q/k may come in
@@ -136,20 +136,21 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     outputs = []
     o_tm = None if grad else torch.empty(seq_len, nh, head_v_dim, dtype=dtype, device=v.device)
     for t in range(seq_len):
-        a, b, d = decay[t], beta[t], key_dot_query[t]
+        a, b, d = decay[t], beta[t], key_dot_query[t]  # [nh, 1]
         projected = torch.bmm(kq[t], state)  # [nh, 2, V]: S^T k, S^T y
         predicted, queried = projected[:, 0], projected[:, 1]
         update = torch.addcmul(v_tm[t], a, predicted, value=-1)  # v - a S^T k
-        update = update * b if grad else update.mul_(b)
         key = kq[t, :, 0, :, None]  # [nh, K, 1]
         if grad:
+            update = update * b
             outputs.append(torch.addcmul(queried * a, d, update))
-            state = torch.baddbmm(state * a[..., None], key, update[:, None])
+            state = torch.addcmul(state * a[..., None], key, update[:, None])
         else:
+            update.mul_(b)
             torch.mul(queried, a, out=o_tm[t]).addcmul_(d, update)
             state = state.mul_(a[..., None]) if owned else torch.mul(state, a[..., None])
             owned = True
-            state.baddbmm_(key, update[:, None])
+            state.addcmul_(key, update[:, None])
     if grad:
         o_tm = torch.stack(outputs) if outputs else v_tm.new_zeros(0, nh, head_v_dim)
     o = o_tm.view(seq_len, num_seqs, num_v_heads, head_v_dim).transpose(0, 1).to(out_dtype)

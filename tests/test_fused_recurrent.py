@@ -207,3 +207,58 @@ def test_bad_inputs_raise_clear_errors() -> None:
         fused_recurrent_gated_delta_rule(**inputs, cu_seqlens=torch.tensor([0.0, 2.0]))
     with pytest.raises(ValueError, match="g: expected shape"):
         fused_recurrent_gated_delta_rule(**dict(inputs, g=inputs["g"][..., :1]))
+
+
+# -- nn.GatedDeltaNet runs the step for decode and short prompts out of training ------------
+
+
+@pytest.fixture
+def step_calls(monkeypatch) -> list:
+    import torch_gdr.nn.gated_deltanet as layer_module
+
+    calls = []
+    real = layer_module._fused_recurrent
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "_fused_recurrent", counting)
+    return calls
+
+
+def _layer(**kwargs):
+    from torch_gdr.nn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, **kwargs)
+    with torch.no_grad():
+        layer.A_log.uniform_(-3.0, -1.0)  # mild decays: the carried state matters
+    return layer
+
+
+def test_layer_uses_the_step_out_of_training(step_calls, monkeypatch) -> None:
+    from torch_gdr.nn import GatedDeltaNetCache
+
+    layer = _layer().eval()
+    chunked = _layer(recurrent_max_len=0).eval()
+    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache, cache_chunked = GatedDeltaNetCache(), GatedDeltaNetCache()
+        y = torch.cat([layer(x[:, :30], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(30, 40)], 1)
+        y_chunked = torch.cat([chunked(x[:, :30], cache=cache_chunked)]
+                              + [chunked(x[:, t:t + 1], cache=cache_chunked) for t in range(30, 40)], 1)
+    assert step_calls == [30] + [1] * 10  # the prompt (<= 64 tokens) and every decode step
+    torch.testing.assert_close(y, y_chunked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.get(0).recurrent_state, cache_chunked.get(0).recurrent_state,
+                               atol=1e-5, rtol=1e-5)
+
+    step_calls.clear()
+    with torch.no_grad():
+        layer(torch.randn(1, 65, 32))  # longer than recurrent_max_len: the chunked op
+        _layer(backend="torch").eval()(x[:, :5])  # a named backend is respected
+        monkeypatch.setenv("TORCH_GDR_BACKEND", "torch")
+        layer(x[:, :5])
+        monkeypatch.delenv("TORCH_GDR_BACKEND")
+    layer.train()(x[:, :5]).sum().backward()  # training: the chunked op
+    assert step_calls == []

@@ -125,6 +125,33 @@ def build(behaviour: Behaviour) -> dict[str, types.ModuleType]:
                 for c in range(-(-(bounds[n + 1] - bounds[n]) // chunk_size))]
         return torch.tensor(rows, dtype=cu_seqlens.dtype).view(-1, 2)
 
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                               cp_context=None, **kwargs):
+        """fla's public chunked call (differentiable), by the recurrence."""
+        behaviour.calls.append("public chunk")
+        if use_qk_l2norm_in_kernel:  # as fla: normalised q, k rounded to their dtype, then the kernels
+            q, k = (l2norm_fwd(x)[0] for x in (q, k))
+        o, final_state = naive_recurrent_gated_delta_rule(q.double(), k.double(), v.double(), g.double(),
+                                                          beta.double(), scale,
+                                                          None if initial_state is None else initial_state.double(),
+                                                          True, False, cu_seqlens)
+        return o.to(q.dtype), final_state.float() if output_final_state else None
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                         use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                         state_v_first=False, cu_seqlens=None, **kwargs):
+        """fla's public fused-recurrent call (0.6's order: gk, gv before beta)."""
+        assert gk is None and gv is None, "beta passed positionally lands on gk in fla 0.6"
+        return fused_recurrent_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, scale=scale or k.shape[-1] ** -0.5,
+                                                    initial_state=initial_state,
+                                                    output_final_state=output_final_state,
+                                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                    cu_seqlens=cu_seqlens)
+
     def module(name: str, **attrs) -> types.ModuleType:
         m = types.ModuleType(name)
         m.__dict__.update(attrs)
@@ -133,7 +160,8 @@ def build(behaviour: Behaviour) -> dict[str, types.ModuleType]:
     modules = {
         "fla": module("fla", __version__=behaviour.version),
         "fla.ops": module("fla.ops"),
-        "fla.ops.gated_delta_rule": module("fla.ops.gated_delta_rule"),
+        "fla.ops.gated_delta_rule": module("fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk_gated_delta_rule,
+                                           fused_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule),
         "fla.ops.gated_delta_rule.chunk": module("fla.ops.gated_delta_rule.chunk",
                                                  chunk_gated_delta_rule_fwd=chunk_gated_delta_rule_fwd,
                                                  chunk_gated_delta_rule_bwd=chunk_gated_delta_rule_bwd),

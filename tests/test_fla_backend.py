@@ -244,3 +244,22 @@ def test_out_of_memory_is_not_a_fallback(standin) -> None:
     x = _inputs(seq_len=6)
     with pytest.raises(torch.OutOfMemoryError):
         fla_backend.fla_chunk_fwd(*_args(x))
+
+
+# -- bench/gpu_check.py's fla section runs (with the stand-in, on the CPU) -------------------
+
+
+def test_gpu_check_fla_section_runs_with_the_standin(standin, monkeypatch) -> None:
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import fla_compare
+
+    # bound: the stand-in's public call differentiates its l2norm from the unrounded bf16 output,
+    # fla's (like the adapter) from the rounded one: dq, dk differ at bf16's rounding
+    lines = fla_compare.check_adapter("cpu", bound=1e-2, seq_lens=(20, 1, 9), heads=(1, 2), dim=8, decode_batch=3)
+    assert len(lines) == 2 and all(" OK: " in line for line in lines), lines
+    lines = fla_compare.time_against_fla("cpu", lambda fn: (fn(), 1.0)[1], {"tiny": (1, 20, 1, 2, 8)}, (2,),
+                                         (1, 2, 8))
+    assert sum("1.00x" in line for line in lines) == 4, lines  # fwd, fwd+bwd, two decode rows: all timed
+    assert "public chunk" in standin.calls and "fused_recurrent" in standin.calls

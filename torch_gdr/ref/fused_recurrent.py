@@ -149,8 +149,8 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
             update.mul_(b)
             torch.mul(queried, a, out=o_tm[t]).addcmul_(d, update)
             state = state.mul_(a[..., None]) if owned else torch.mul(state, a[..., None])
-            owned = True
             state.addcmul_(key, update[:, None])
+        owned = True  # from here on a tensor of this call
     if grad:
         o_tm = torch.stack(outputs) if outputs else v_tm.new_zeros(0, nh, head_v_dim)
     o = o_tm.view(seq_len, num_seqs, num_v_heads, head_v_dim).transpose(0, 1).to(out_dtype)

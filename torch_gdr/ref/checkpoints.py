@@ -69,6 +69,10 @@ def gather_checkpoints(states: ChunkStates, layout, final_state: Tensor, seq_len
         for s, n in enumerate(layout.order.tolist()):
             position[n] = s
     spans = states.segments
+    by_chunk: dict[int, list[int]] = {}  # chunk -> the spans covering it (one per group of sequences)
+    for i, span in enumerate(spans):
+        for chunk in range(span.c0, span.c1):
+            by_chunk.setdefault(chunk, []).append(i)
     pieces = []
     for n, length in enumerate(seq_lens):
         s = position[n]
@@ -78,7 +82,7 @@ def gather_checkpoints(states: ChunkStates, layout, final_state: Tensor, seq_len
                 pieces.append(final_state[n])
                 continue
             chunk = tokens // c  # the chunk this state enters
-            i = next(i for i, sp in enumerate(spans) if sp.c0 <= chunk < sp.c1 and sp.n0 <= s < sp.n1)
+            i = next(i for i in by_chunk[chunk] if spans[i].n0 <= s < spans[i].n1)
             row = (s - spans[i].n0) * hv
             pieces.append(states.block(i)[chunk - spans[i].c0, row:row + hv])
     shape = (0,) + tuple(final_state.shape[1:])

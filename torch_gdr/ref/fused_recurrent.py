@@ -3,13 +3,14 @@
 Per sequence and value head, with a key-first state ``S [K, V]``, ``a_t = exp(g_t)`` and
 ``y_t = scale * q_t``, a step is::
 
+    S   <- a_t S                                  (a fresh tensor at the first step)
     (S^T k_t, S^T y_t) = S^T [k_t, y_t]          one bmm over the N * HV matrices
-    u_t  = beta_t * (v_t - a_t S^T k_t)
-    o_t  = a_t S^T y_t + (k_t . y_t) u_t          = S_new^T y_t
-    S   <- a_t S + k_t u_t^T
+    u_t  = beta_t * (v_t - S^T k_t)
+    o_t  = S^T y_t + (k_t . y_t) u_t              = S_new^T y_t
+    S   <- S + k_t u_t^T                          (addcmul_, in place)
 
-so the state is read once by a matmul and written by ``S.mul_(a).addcmul_(k, u^T)``;
-``o_t`` needs no second read of the new state. Everything is plain differentiable torch
+so the state is read from memory once, by the decay (the matmul reads it back from cache
+right after), and ``o_t`` needs no second read of the new state. Everything is plain differentiable torch
 (autograd runs through it; in place only where autograd is off). The compute dtype is
 float32 (float64 when q, k or v is float64), whatever the input dtypes: q/k may come in
 one float dtype and v in another (as fla's fused-recurrent kernel takes them), and o comes
@@ -115,17 +116,21 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
     # Per-token operands, time-major so that step t reads contiguous [N * HV, ...] rows.
     kq = kq.to(dtype)
-    factor = kq.new_tensor([1.0, scale])[:, None]  # [2, 1]: the key unscaled, the query by scale
     if use_qk_l2norm_in_kernel:
-        factor = (kq * kq).sum(-1, keepdim=True).add(L2NORM_EPS).rsqrt() * factor
-    kq = kq * factor
+        kq = kq * (kq * kq).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
+    kq[..., 1, :].mul_(scale)  # y = scale * q, in place: kq is this call's stack, cast or product
     if group > 1:
-        kq = kq.unsqueeze(3).expand(-1, -1, -1, group, -1, -1).flatten(2, 3)
-    kq = kq.transpose(0, 1).reshape(seq_len, nh, 2, head_k_dim)
-    key_dot_query = (kq[:, :, 0] * kq[:, :, 1]).sum(-1, keepdim=True)  # [L, nh, 1]: k . y
-    decay = g.to(dtype).transpose(0, 1).reshape(seq_len, nh, 1).exp()
-    beta = beta.to(dtype).transpose(0, 1).reshape(seq_len, nh, 1)
-    v_tm = v.to(dtype).transpose(0, 1).reshape(seq_len, nh, head_v_dim)
+        kq = kq.repeat_interleave(group, dim=2)
+
+    def time_major(x: Tensor, *inner: int) -> Tensor:
+        x = x.to(dtype)
+        return x.reshape(seq_len, nh, *inner) if seq_len == 1 else x.transpose(0, 1).reshape(seq_len, nh, *inner)
+
+    kq = time_major(kq, 2, head_k_dim)
+    key_dot_query = torch.linalg.vecdot(kq[:, :, 0], kq[:, :, 1]).unsqueeze_(-1)  # [L, nh, 1]: k . y
+    decay = time_major(g, 1).exp()
+    beta = time_major(beta, 1)
+    v_tm = time_major(v, head_v_dim)
 
     if initial_state is None:
         state = torch.zeros(nh, head_k_dim, head_v_dim, dtype=dtype, device=v.device)
@@ -136,19 +141,21 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     outputs = []
     o_tm = None if grad else torch.empty(seq_len, nh, head_v_dim, dtype=dtype, device=v.device)
     for t in range(seq_len):
-        a, b, d = decay[t], beta[t], key_dot_query[t]  # [nh, 1]
-        projected = torch.bmm(kq[t], state)  # [nh, 2, V]: S^T k, S^T y
-        predicted, queried = projected[:, 0], projected[:, 1]
-        update = torch.addcmul(v_tm[t], a, predicted, value=-1)  # v - a S^T k
+        a, b, d = decay[t].unsqueeze(-1), beta[t], key_dot_query[t]  # [nh, 1, 1], [nh, 1], [nh, 1]
         key = kq[t, :, 0, :, None]  # [nh, K, 1]
         if grad:
-            update = update * b
-            outputs.append(torch.addcmul(queried * a, d, update))
-            state = torch.addcmul(state * a[..., None], key, update[:, None])
+            state = state * a
+        else:  # the decay first, so that the matmul reads the state while it is in cache
+            state = state.mul_(a) if owned else torch.mul(state, a)
+        projected = torch.bmm(kq[t], state)  # [nh, 2, V]: (a S)^T k, (a S)^T y
+        predicted, queried = projected[:, 0], projected[:, 1]
+        if grad:
+            update = (v_tm[t] - predicted) * b
+            outputs.append(torch.addcmul(queried, d, update))
+            state = torch.addcmul(state, key, update[:, None])
         else:
-            update.mul_(b)
-            torch.mul(queried, a, out=o_tm[t]).addcmul_(d, update)
-            state = state.mul_(a[..., None]) if owned else torch.mul(state, a[..., None])
+            update = torch.sub(v_tm[t], predicted).mul_(b)
+            torch.addcmul(queried, d, update, out=o_tm[t])
             state.addcmul_(key, update[:, None])
         owned = True  # from here on a tensor of this call
     if grad:

@@ -137,6 +137,35 @@ def test_final_state_only_on_request_and_initial_state_untouched() -> None:
     assert torch.equal(s_empty, empty["initial_state"]) and s_empty is not empty["initial_state"]
 
 
+SINGLE_TOKEN = {  # the decode step's own path (one token, autograd off)
+    "batched_gva": dict(batch_size=3, seq_len=1, num_qk_heads=1, num_v_heads=4, with_initial_state=True),
+    "no_state": dict(batch_size=2, seq_len=1),
+    "varlen_ones": dict(seqlens=[1, 1, 1], num_qk_heads=2, num_v_heads=4, with_initial_state=True),
+    "varlen_some_empty": dict(seqlens=[1, 0, 1], with_initial_state=True),
+    "strong_decay": dict(seq_len=1, gate="strong", with_initial_state=True),
+}
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["key_first", "v_first"])
+@pytest.mark.parametrize("use_l2norm", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("case", list(SINGLE_TOKEN))
+def test_single_token_without_autograd_matches_recurrence(case, use_l2norm, state_v_first) -> None:
+    inputs = make_inputs(**SINGLE_TOKEN[case])
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=use_l2norm,
+                                                              scale=0.7)
+    if state_v_first and "initial_state" in inputs:
+        inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
+    before = {n: t.clone() for n, t in inputs.items()}
+    with torch.no_grad():
+        o, s = fused_recurrent_gated_delta_rule(**inputs, output_final_state=True, scale=0.7,
+                                                use_qk_l2norm_in_kernel=use_l2norm, state_v_first=state_v_first)
+    if state_v_first:
+        s = s.transpose(-1, -2)
+    torch.testing.assert_close(o, expected_o, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(s, expected_s, atol=1e-12, rtol=1e-12)
+    assert all(torch.equal(inputs[n], before[n]) for n in inputs), "inputs must not be written"
+
+
 def test_no_grad_path_equals_autograd_path() -> None:
     inputs = make_inputs(seq_len=5, batch_size=2, num_v_heads=4, with_initial_state=True, dtype=torch.float32)
     o, s = fused_recurrent_gated_delta_rule(**_leaves(inputs), output_final_state=True)

@@ -83,6 +83,32 @@ class _Padding:
         return x.flatten(0, 1).unsqueeze(0) if self.valid is None else x[self.valid].unsqueeze(0)
 
 
+def _single_step(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, owned: bool, scale: float,
+                 use_qk_l2norm_in_kernel: bool, group: int) -> tuple[Tensor, Tensor]:
+    """One token of every sequence with autograd off: the decode step in as few ops as the
+    math allows, in place wherever the tensor is this call's.
+
+    kq: ``[N, 1, H, 2, K]`` this call's stack of k and q, in the compute dtype; v
+    ``[N, 1, HV, V]``; g, beta ``[N, 1, HV]``; state ``[N * HV, K, V]`` in the compute
+    dtype, the caller's (``owned`` False: not written) or this call's. Returns o
+    ``[N * HV, V]`` and the new state, both in the compute dtype."""
+    nh, head_k_dim = state.shape[:2]
+    if use_qk_l2norm_in_kernel:
+        kq.mul_(torch.linalg.vecdot(kq, kq).add_(L2NORM_EPS).rsqrt_().unsqueeze_(-1))
+    kq[..., 1, :].mul_(scale)
+    if group > 1:
+        kq = kq.repeat_interleave(group, dim=2)
+    kq = kq.view(nh, 2, head_k_dim)
+    key, query = kq.unbind(1)
+    decay = g.reshape(nh, 1, 1).to(state.dtype).exp()
+    state = state.mul_(decay) if owned else torch.mul(state, decay)
+    predicted, queried = torch.bmm(kq, state).unbind(1)  # (a S)^T k, (a S)^T y
+    update = torch.sub(v.reshape(nh, -1).to(state.dtype), predicted).mul_(beta.reshape(nh, 1))
+    o = torch.addcmul(queried, torch.linalg.vecdot(key, query).unsqueeze_(-1), update)
+    state.addcmul_(key.unsqueeze(-1), update.unsqueeze(1))
+    return o, state
+
+
 def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                         initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool = False,
                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -112,10 +138,23 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
             g, beta = g * padding.valid[..., None], beta * padding.valid[..., None]
     num_seqs, seq_len = kq.shape[:2]
     nh = num_seqs * num_v_heads
-    grad = torch.is_grad_enabled()
+    tensors = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    kq = kq.to(dtype)
+
+    if initial_state is None:
+        state = torch.zeros(nh, head_k_dim, head_v_dim, dtype=dtype, device=v.device)
+        owned = True
+    else:
+        state = initial_state.to(dtype).reshape(nh, head_k_dim, head_v_dim)
+        owned = False  # may be (a view of) the caller's tensor: never written in place
+    if seq_len == 1 and not grad:
+        o, state = _single_step(kq, v, g, beta, state, owned, scale, use_qk_l2norm_in_kernel, group)
+        o = o.view(num_seqs, 1, num_v_heads, head_v_dim).to(out_dtype)
+        return (o if padding is None else padding.unpad(o)), state.view(num_seqs, num_v_heads, head_k_dim,
+                                                                        head_v_dim)
 
     # Per-token operands, time-major so that step t reads contiguous [N * HV, ...] rows.
-    kq = kq.to(dtype)
     if use_qk_l2norm_in_kernel:
         kq = kq * (kq * kq).sum(-1, keepdim=True).add_(L2NORM_EPS).rsqrt_()
     kq[..., 1, :].mul_(scale)  # y = scale * q, in place: kq is this call's stack, cast or product
@@ -132,12 +171,6 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     beta = time_major(beta, 1)
     v_tm = time_major(v, head_v_dim)
 
-    if initial_state is None:
-        state = torch.zeros(nh, head_k_dim, head_v_dim, dtype=dtype, device=v.device)
-        owned = True
-    else:
-        state = initial_state.to(dtype).reshape(nh, head_k_dim, head_v_dim)
-        owned = False  # may be (a view of) the caller's tensor: never written in place
     outputs = []
     o_tm = None if grad else torch.empty(seq_len, nh, head_v_dim, dtype=dtype, device=v.device)
     for t in range(seq_len):

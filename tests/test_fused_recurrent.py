@@ -34,8 +34,8 @@ def _run(fn, inputs: dict, **kw):
     leaves = _leaves(inputs)
     o, s = fn(**leaves, output_final_state=True, **kw)
     gen = torch.Generator().manual_seed(7)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
-    dht = torch.randn(s.shape, generator=gen, dtype=torch.float64)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
+    dht = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(o.device)
     loss = (o.double() * do).sum() + (s.double() * dht).sum()
     names = [n for n, t in leaves.items() if t.requires_grad]
     grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
@@ -96,8 +96,8 @@ def test_state_v_first_is_the_transpose(seq_len: int) -> None:
     leaves = _leaves(key_first)
     o, s = naive_recurrent_gated_delta_rule(**leaves, use_qk_l2norm_in_kernel=True)
     gen = torch.Generator().manual_seed(7)
-    do, dht = torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(
-        s.transpose(-1, -2).shape, generator=gen, dtype=torch.float64)
+    do, dht = (torch.randn(shape, generator=gen, dtype=torch.float64).to(o.device)
+               for shape in (o.shape, s.transpose(-1, -2).shape))
     loss = (o * do).sum() + (s.transpose(-1, -2) * dht).sum()
     expected = torch.autograd.grad(loss, leaves["initial_state"])[0].transpose(-1, -2)
     torch.testing.assert_close(grads["initial_state"], expected, atol=1e-10, rtol=1e-10)
@@ -229,9 +229,9 @@ def test_bad_inputs_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="v: the number of value heads"):
         fused_recurrent_gated_delta_rule(**dict(inputs, v=inputs["v"][:, :, :1].expand(-1, -1, 3, -1).float()))
     with pytest.raises(ValueError, match="initial_state: expected shape"):
-        fused_recurrent_gated_delta_rule(**inputs, initial_state=torch.zeros(1, 2, 16, 15))
+        fused_recurrent_gated_delta_rule(**inputs, initial_state=inputs["q"].new_zeros(1, 2, 16, 15))
     with pytest.raises(ValueError, match="cu_seqlens: expected the last offset"):
-        fused_recurrent_gated_delta_rule(**inputs, cu_seqlens=torch.tensor([0, 1]))
+        fused_recurrent_gated_delta_rule(**inputs, cu_seqlens=torch.tensor([0, 1]))  # on the CPU: allowed
     with pytest.raises(TypeError, match="cu_seqlens: expected dtype int32 or int64"):
         fused_recurrent_gated_delta_rule(**inputs, cu_seqlens=torch.tensor([0.0, 2.0]))
     with pytest.raises(ValueError, match="g: expected shape"):

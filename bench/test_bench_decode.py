@@ -8,6 +8,12 @@ one call of each, in alternating order, so that all see the same machine; the ra
 median of the per-round ratios. Acceptance (issue 13): the step is at least 2x faster than
 HF's at B = 1 and B = 8.
 
+The ratio depends on glibc's allocator state: HF's step makes several state-sized
+temporaries, each a fresh mmap (page faults) while glibc's mmap threshold is at its initial
+128 KiB, but reused heap memory once the threshold has grown (it grows when a large block
+is freed, so it depends on what ran before in the process). Running with
+``MALLOC_MMAP_THRESHOLD_=67108864`` pins the second state, the one most favourable to HF.
+
     pytest bench/test_bench_decode.py -p benchmark --benchmark-only
 """
 

@@ -12,7 +12,8 @@ The ratio depends on glibc's allocator state: HF's step makes several state-size
 temporaries, each a fresh mmap (page faults) while glibc's mmap threshold is at its initial
 128 KiB, but reused heap memory once the threshold has grown (it grows when a large block
 is freed, so it depends on what ran before in the process). Running with
-``MALLOC_MMAP_THRESHOLD_=67108864`` pins the second state, the one most favourable to HF.
+``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=134217728`` pins the second state
+(freed memory kept and reused), the one most favourable to HF.
 
     pytest bench/test_bench_decode.py -p benchmark --benchmark-only
 """

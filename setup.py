@@ -14,6 +14,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "numpy"],
         "npu": ["pypto==0.2.0"],
+        # the "fla" backend calls fla-core's internal chunk forward/backward, whose
+        # signatures are those of 0.6.x (torch_gdr/ops/fla); tested range only
+        "gpu": ["fla-core>=0.6.0,<0.7"],
         "bench": ["pytest-benchmark>=4", "transformers>=4.57"],
     },
 )

@@ -8,7 +8,13 @@ transformers is importable, at the shapes of the CPU bench and a Qwen3-Next-size
 in float32 and bfloat16, with CUDA events (median after warm-up) and the peak of
 ``torch.cuda.max_memory_allocated`` above the inputs.
 
-    PYTHONPATH=. python bench/gpu_check.py [--json results.json]
+Then fla (when fla-core is importable, bench/fla_compare.py): torch_gdr's adapter against
+fla's public call, fla's own calls timed beside torch_gdr's defaults on the same inputs
+(forward, forward + backward at 1 x 32768 and 8 x 4096, H16/HV32, K = V = 128, bf16; decode
+B = 1 and B = 64) with the ratios, and a fullgraph-compiled step through ``backend="fla"``.
+
+    PYTHONPATH=. python bench/gpu_check.py [--sections correctness,hf,fla,compile] [--json results.json]
+    PYTHONPATH=. python bench/gpu_check.py --smoke     # tiny shapes, any device: the script itself runs
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import torch_gdr
-from _common import hf_fallback  # bench/ is on sys.path when run as a script
+import fla_compare  # bench/ is on sys.path when run as a script
+from _common import hf_fallback
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 # (B, T, H, HV, K = V)
@@ -148,28 +156,73 @@ def time_impls(device: str) -> list[dict]:
     return rows
 
 
+def wall_ms(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> float:
+    """Median wall-clock milliseconds (smoke runs on a CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+SECTIONS = ("correctness", "hf", "fla", "compile")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes and wall-clock timing on any device: checks that the script runs")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        parser.error(f"--sections: unknown {sorted(sections - set(SECTIONS))}, expected a subset of {SECTIONS}")
+    if args.smoke:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        timer: Callable = wall_ms
+        chunk_shapes, decode_batches = {"1x256 h2/4": (1, 256, 2, 4, 32)}, (1, 2)
+        small = dict(seq_lens=(30, 1, 17), heads=(2, 4), dim=16, decode_batch=2)
+        decode_heads = (2, 4, 16)
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (--smoke runs the script on the CPU)")
         return 0
-    device = "cuda"
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    correctness = check_correctness(device)
+    else:
+        device, timer = "cuda", time_ms
+        chunk_shapes, decode_batches = fla_compare.CHUNK_SHAPES, fla_compare.DECODE_BATCHES
+        small, decode_heads = {}, (16, 32, 128)
+    print(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    correctness: list[str] = []
+    rows: list[dict] = []
+    if "correctness" in sections:
+        correctness += check_correctness(device)
+    if "fla" in sections:
+        correctness += fla_compare.check_adapter(device, **small)
     print("\n".join(correctness), flush=True)
-    rows = time_impls(device)
-    print(f"\n{'shape':<16}{'dtype':<10}{'impl':<13}{'fwd ms':>9}{'fwd+bwd ms':>12}{'peak MiB':>10}{'Mtok/s fwd':>12}")
-    for r in rows:
-        if "fwd_ms" not in r:
-            print(f"{r['shape']:<16}{r['dtype']:<10}{r['impl']:<13}  {r.get('note')}")
-            continue
-        print(f"{r['shape']:<16}{r['dtype']:<10}{r['impl']:<13}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>12.2f}"
-              f"{r['peak_fwd_bwd_mib']:>10.0f}{r['tokens_per_s_fwd'] / 1e6:>12.2f}")
+    if "compile" in sections and fla_compare.fla_public()[0] is not None:
+        correctness += fla_compare.check_compile(device)
+        print(correctness[-1], flush=True)
+    if "hf" in sections and not args.smoke:
+        rows = time_impls(device)
+        print(f"\n{'shape':<16}{'dtype':<10}{'impl':<13}{'fwd ms':>9}{'fwd+bwd ms':>12}{'peak MiB':>10}"
+              f"{'Mtok/s fwd':>12}")
+        for r in rows:
+            if "fwd_ms" not in r:
+                print(f"{r['shape']:<16}{r['dtype']:<10}{r['impl']:<13}  {r.get('note')}")
+                continue
+            print(f"{r['shape']:<16}{r['dtype']:<10}{r['impl']:<13}{r['fwd_ms']:>9.2f}{r['fwd_bwd_ms']:>12.2f}"
+                  f"{r['peak_fwd_bwd_mib']:>10.0f}{r['tokens_per_s_fwd'] / 1e6:>12.2f}")
+    fla_lines: list[str] = []
+    if "fla" in sections:
+        fla_lines = fla_compare.time_against_fla(device, timer, chunk_shapes, decode_batches, decode_heads)
+        print("\n" + "\n".join(fla_lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(correctness=correctness, timings=rows), f, indent=1)
+            json.dump(dict(correctness=correctness, timings=rows, fla=fla_lines), f, indent=1)
     return 1 if any("FAIL" in line for line in correctness) else 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -9,11 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_gdr import functional as _functional
-from torch_gdr.dispatch.backends import smallest_chunk_size
+from torch_gdr.dispatch.backends import BACKEND_ENV_VAR, smallest_chunk_size
 from torch_gdr.nn.cache import GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
+# The step path for decoding and short prompts. (The lead routes CUDA to fla's kernel in the
+# public torch_gdr.fused_recurrent_gated_delta_rule; this import moves there with it.)
+from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent
 
+# Like fla's layer: out of training, calls of at most this many tokens run token by token.
+RECURRENT_MAX_LEN = 64
 
 
 class GatedDeltaNet(nn.Module):
@@ -62,15 +68,19 @@ class GatedDeltaNet(nn.Module):
         layer_idx: this layer's key in a :class:`GatedDeltaNetCache`.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
-        decode_backend: backend of single-token decode steps (``backend`` when None). On
-            CPUs ``"recurrent"`` steps are about twice as fast as the chunked op, which pads
-            the token to a 16-token chunk.
+        decode_backend: backend of single-token decode steps (``backend`` when None).
+        recurrent_max_len: out of training (``layer.eval()``), a call of at most this many
+            tokens per sequence whose backend is not named (``backend``, or ``decode_backend``
+            for a decode step, is None, and ``TORCH_GDR_BACKEND`` is unset) runs the fused-recurrent step
+            (:func:`torch_gdr.ref.fused_recurrent.fused_recurrent_gated_delta_rule`) instead
+            of the chunked op, as fla's layer does: no chunk padding, a few ops a token.
+            0 turns it off.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0, *,
                  chunk_size: int = 64, backend: Optional[str] = None, decode_backend: Optional[str] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+                 recurrent_max_len: int = RECURRENT_MAX_LEN, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         if num_heads <= 0 or num_v_heads % num_heads != 0:
@@ -89,6 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = chunk_size
         self.backend = backend
         self.decode_backend = decode_backend
+        self.recurrent_max_len = recurrent_max_len
 
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **factory)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **factory)
@@ -182,15 +193,21 @@ class GatedDeltaNet(nn.Module):
 
         is_step = previous is not None and seq_len == 1 and cu_seqlens is None
         backend = (self.decode_backend or self.backend) if is_step else self.backend
-        o, recurrent_state = _functional.chunk_gated_delta_rule(
-            q, k, v, g, beta,
-            initial_state=None if previous is None else previous.recurrent_state,
-            output_final_state=cache is not None,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-            chunk_size=smallest_chunk_size(backend, hidden_states.device) if is_step else self.chunk_size,
-            backend=backend,
-        )
+        initial_state = None if previous is None else previous.recurrent_state
+        if self._use_recurrent_step(seq_len, cu_seqlens, backend):
+            o, recurrent_state = _fused_recurrent(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        else:
+            o, recurrent_state = _functional.chunk_gated_delta_rule(
+                q, k, v, g, beta,
+                initial_state=initial_state,
+                output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu_seqlens,
+                chunk_size=smallest_chunk_size(backend, hidden_states.device) if is_step else self.chunk_size,
+                backend=backend,
+            )
 
         if cache is not None:
             assert conv_state is not None and recurrent_state is not None
@@ -202,6 +219,12 @@ class GatedDeltaNet(nn.Module):
 
         o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))
+
+    def _use_recurrent_step(self, seq_len: int, cu_seqlens: Optional[torch.Tensor], backend: Optional[str]) -> bool:
+        """Whether a call runs the fused-recurrent step: out of training, no backend named,
+        at most ``recurrent_max_len`` tokens per sequence (the packed total bounds it)."""
+        named = backend is not None or bool(os.environ.get(BACKEND_ENV_VAR))
+        return not self.training and not named and 0 < seq_len <= self.recurrent_max_len
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "

@@ -1,0 +1,265 @@
+"""torch_gdr's adapter to fla-core's kernels, with fla absent and with a pure-torch stand-in
+in ``sys.modules`` (so that the argument mapping and every fallback reason run on CPUs)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import torch_gdr.ops.fla as fla_backend
+from tests import fla_standin
+from tests.helpers import make_inputs
+from torch_gdr.ops.fla import FlaRefusal
+from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+
+@pytest.fixture
+def no_fla(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla` raises ImportError
+    fla_backend.reset()
+    yield
+    fla_backend.reset()
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """Installs the stand-in; the test may change its behaviour, then call ``install()``."""
+    behaviour = fla_standin.Behaviour()
+
+    def install(**overrides):
+        modules = fla_standin.build(behaviour)
+        for name, module in modules.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        for dotted, value in overrides.items():  # "module:attr" -> value (None deletes)
+            name, attr = dotted.split(":")
+            if value is None:
+                delattr(modules[name], attr)
+            else:
+                setattr(modules[name], attr, value)
+        fla_backend.reset()
+        return modules
+
+    install()
+    behaviour.install = install
+    yield behaviour
+    fla_backend.reset()
+
+
+@pytest.fixture
+def any_device(monkeypatch):
+    """Let the CPU pass the device check, to reach the reasons behind it."""
+    monkeypatch.setattr(fla_backend, "FLA_DEVICE_TYPES", ("cpu", "cuda"))
+
+
+def _inputs(**kw):
+    x = {n: t.cpu() for n, t in make_inputs(dtype=torch.float32, **kw).items()}  # the stand-in runs on CPUs
+    if "initial_state" in x:
+        x["initial_state"] = x["initial_state"].float()
+    return x
+
+
+def _args(x, use_l2norm=True, chunk_size=64):
+    scale = x["q"].shape[-1] ** -0.5
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"), True, use_l2norm,
+            x.get("cu_seqlens"), chunk_size)
+
+
+# -- fla absent ----------------------------------------------------------------------------
+
+
+def test_absent(no_fla) -> None:
+    x = _inputs(seq_len=8)
+    assert not fla_backend.available()
+    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
+    assert "fla-core is not installed" in reason and "torch_gdr[gpu]" in reason
+    assert fla_backend.fused_recurrent_unavailable_reason(x["q"], x["v"]) == reason
+    assert fla_backend.backward_refusal_reason() is None
+    with pytest.raises(FlaRefusal, match="not installed") as info:
+        fla_backend.fla_chunk_fwd(*_args(x))
+    assert info.value.reason == reason
+    with pytest.raises(FlaRefusal, match="not installed"):
+        fla_backend.fla_fused_recurrent_fwd(*_args(x)[:-1])
+
+
+# -- the stand-in: argument mapping ---------------------------------------------------------
+
+MAPPING = {
+    "batched": dict(batch_size=2, seq_len=40, with_initial_state=True),
+    "varlen_gva": dict(seqlens=[33, 0, 70, 5], num_qk_heads=1, num_v_heads=2, with_initial_state=True),
+    "no_initial_state": dict(seq_len=20),
+}
+
+
+@pytest.mark.parametrize("chunk_size", [16, 128])
+@pytest.mark.parametrize("use_l2norm", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("case", list(MAPPING))
+def test_forward_and_backward_map_onto_fla(standin, case, use_l2norm, chunk_size) -> None:
+    x = _inputs(**MAPPING[case])
+    if not use_l2norm:
+        x["q"], x["k"] = x["q"] * 0.25, x["k"] * 0.25
+    o, final_state, g_cumsum, A, q_rstd, k_rstd = fla_backend.fla_chunk_fwd(*_args(x, use_l2norm, chunk_size))
+    bt = fla_backend.fla_chunk_size(chunk_size)
+    assert bt == min(chunk_size, 64)
+    assert o.dtype == x["v"].dtype and final_state.dtype == torch.float32
+    assert g_cumsum.shape == x["g"].shape and A.shape == x["beta"].shape + (bt,)
+    assert q_rstd.shape == (x["q"].shape[:-1] if use_l2norm else (0,)) and k_rstd.shape == q_rstd.shape
+
+    leaves = {n: t.detach().double().requires_grad_() for n, t in x.items() if n != "cu_seqlens"}
+    ref_o, ref_s = naive_recurrent_gated_delta_rule(**leaves, cu_seqlens=x.get("cu_seqlens"),
+                                                    use_qk_l2norm_in_kernel=use_l2norm)
+    torch.testing.assert_close(o.double(), ref_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final_state.double(), ref_s, atol=1e-5, rtol=1e-5)
+
+    gen = torch.Generator().manual_seed(3)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(final_state.shape, generator=gen)
+    grads = fla_backend.fla_chunk_bwd(do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], g_cumsum, A, q_rstd,
+                                      k_rstd, x["q"].shape[-1] ** -0.5, x.get("initial_state"), use_l2norm,
+                                      x.get("cu_seqlens"), chunk_size)
+    names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if "initial_state" in x else [])
+    expected = torch.autograd.grad((ref_o * do.double()).sum() + (ref_s * dht.double()).sum(),
+                                   [leaves[n] for n in names])
+    for name, got, want in zip(names, grads, expected):
+        assert got.dtype == x[name].dtype, name
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+    if "initial_state" not in x:
+        assert grads[5] is None
+    assert standin.calls.count("fwd") == 1 and standin.calls.count("bwd") == 1  # nothing recomputed
+
+
+def test_backward_without_a_final_state_gradient(standin) -> None:
+    x = _inputs(seq_len=9, with_initial_state=True)
+    _, _, g_cumsum, A, q_rstd, k_rstd = fla_backend.fla_chunk_fwd(*_args(x))
+    do = torch.ones_like(x["v"])
+    dq, *_ = fla_backend.fla_chunk_bwd(do, None, x["q"], x["k"], x["v"], x["g"], x["beta"], g_cumsum, A, q_rstd,
+                                       k_rstd, 0.25, x["initial_state"], True, None, 64)
+    leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ref_o, _ = naive_recurrent_gated_delta_rule(**dict(leaves, scale=0.25), use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(dq.double(), torch.autograd.grad(ref_o.sum(), leaves["q"])[0], atol=1e-4, rtol=1e-4)
+
+
+def test_fused_recurrent_maps_onto_fla(standin) -> None:
+    x = _inputs(seqlens=[1, 1, 3], num_qk_heads=1, num_v_heads=2, with_initial_state=True)
+    x["v"] = x["v"].to(torch.bfloat16)  # q/k and v in different dtypes, as fla takes them
+    scale = x["q"].shape[-1] ** -0.5
+    o, s = fla_backend.fla_fused_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
+                                               x["initial_state"], True, True, x["cu_seqlens"])
+    ref_o, ref_s = fused_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    torch.testing.assert_close(o.float(), ref_o.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
+
+
+# -- fallback reasons -------------------------------------------------------------------------
+
+
+def test_available_and_device_reason(standin) -> None:
+    x = _inputs(seq_len=4)
+    assert fla_backend.available()
+    assert "CUDA tensors, not on 'cpu'" in fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
+    assert "CUDA tensors" in fla_backend.fused_recurrent_unavailable_reason(x["q"], x["v"])
+
+
+@pytest.mark.parametrize("version", ["0.5.2", "0.7.0", "1.0.0"])
+def test_untested_version(standin, version) -> None:
+    standin.version = version
+    standin.install()
+    x = _inputs(seq_len=4)
+    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
+    assert f"fla-core {version} is outside the tested range >=0.6.0,<0.7" in reason
+    assert not fla_backend.available()
+
+
+def test_missing_function(standin) -> None:
+    standin.install(**{"fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule_bwd": None})
+    x = _inputs(seq_len=4)
+    assert "has no fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd" in fla_backend.unavailable_reason(
+        x["q"], x["k"], x["v"])
+
+
+def test_reasons_behind_the_device_check(standin, any_device) -> None:
+    x = _inputs(seq_len=4)
+    q, k, v = x["q"], x["k"], x["v"]
+    assert fla_backend.unavailable_reason(q, k, v) is None
+    assert "float64" in fla_backend.unavailable_reason(q.double(), k.double(), v.double())
+    assert "one dtype for q, k and v" in fla_backend.unavailable_reason(q, k, v.half())
+    assert fla_backend.fused_recurrent_unavailable_reason(q, v.half()) is None  # the step takes mixed dtypes
+    big = torch.zeros(1, 4, 2, 512)
+    assert "K <= 256" in fla_backend.unavailable_reason(big, big, v)
+    assert "T = 0" in fla_backend.unavailable_reason(q[:, :0], k[:, :0], v[:, :0])
+    assert "no backward" in fla_backend.fused_recurrent_unavailable_reason(q, v, needs_backward=True)
+
+
+@pytest.mark.parametrize("hopper,above_3_4,above_3_7_1,tilelang,refused", [
+    (True, True, False, False, True),
+    (True, True, False, True, False),   # tilelang serves the kernel
+    (True, True, True, False, False),   # a fixed Triton
+    (True, False, False, False, False),  # an older Triton
+    (False, True, False, False, False),  # not Hopper
+])
+def test_predicted_backward_refusal(standin, any_device, monkeypatch, hopper, above_3_4, above_3_7_1, tilelang,
+                                    refused) -> None:
+    standin.install(**{"fla.utils:IS_NVIDIA_HOPPER": hopper, "fla.utils:TRITON_ABOVE_3_4_0": above_3_4,
+                       "fla.utils:TRITON_ABOVE_3_7_1": above_3_7_1})
+    monkeypatch.setattr(fla_backend, "tilelang_installed", lambda: tilelang)
+    x = _inputs(seq_len=4)
+    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"], needs_backward=True)
+    assert (reason is not None) == refused
+    assert fla_backend.unavailable_reason(x["q"], x["k"], x["v"]) is None  # forward-only calls are served
+    if refused:
+        assert "Hopper" in reason and "3.7.1" in reason
+
+
+def test_backward_refusal_at_call_time(standin) -> None:
+    x = _inputs(seq_len=6)
+    saved = fla_backend.fla_chunk_fwd(*_args(x))[2:]
+    standin.backward_error = RuntimeError(fla_standin.HOPPER_MESSAGE)
+    with pytest.raises(FlaRefusal) as info:
+        fla_backend.fla_chunk_bwd(torch.ones_like(x["v"]), None, x["q"], x["k"], x["v"], x["g"], x["beta"], *saved,
+                                  0.25, None, True, None, 64)
+    assert info.value.reason.startswith("fla refuses the chunked backward on this GPU: Triton >= 3.4.0")
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("error,expected", [
+    (AssertionError("current kernel does not support head dimension larger than 256."),
+     "fla's chunked forward rejects the call (AssertionError: current kernel does not support"),
+    (ValueError("bad"), "fla's chunked forward rejects the call (ValueError: bad)"),
+    (RuntimeError("CUDA error: an illegal memory access"), "fla's chunked forward failed (RuntimeError: CUDA error"),
+    (TypeError("chunk_gated_delta_rule_fwd() got an unexpected keyword argument 'chunk_indices'"),
+     "fla-core 0.6.0's chunked forward does not take the arguments of fla-core 0.6"),
+])
+def test_forward_failures_become_reasons(standin, error, expected) -> None:
+    standin.forward_error = error
+    x = _inputs(seq_len=6)
+    with pytest.raises(FlaRefusal) as info:
+        fla_backend.fla_chunk_fwd(*_args(x))
+    assert info.value.reason.startswith(expected), info.value.reason
+
+
+def test_out_of_memory_is_not_a_fallback(standin) -> None:
+    standin.forward_error = torch.OutOfMemoryError("CUDA out of memory")
+    x = _inputs(seq_len=6)
+    with pytest.raises(torch.OutOfMemoryError):
+        fla_backend.fla_chunk_fwd(*_args(x))
+
+
+# -- bench/gpu_check.py's fla section runs (with the stand-in, on the CPU) -------------------
+
+
+def test_gpu_check_fla_section_runs_with_the_standin(standin, monkeypatch) -> None:
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import fla_compare
+
+    # bound: the stand-in's public call differentiates its l2norm from the unrounded bf16 output,
+    # fla's (like the adapter) from the rounded one: dq, dk differ at bf16's rounding
+    lines = fla_compare.check_adapter("cpu", bound=1e-2, seq_lens=(20, 1, 9), heads=(1, 2), dim=8, decode_batch=3)
+    assert len(lines) == 2 and all(" OK: " in line for line in lines), lines
+    lines = fla_compare.time_against_fla("cpu", lambda fn: (fn(), 1.0)[1], {"tiny": (1, 20, 1, 2, 8)}, (2,),
+                                         (1, 2, 8))
+    assert sum("1.00x" in line for line in lines) == 4, lines  # fwd, fwd+bwd, two decode rows: all timed
+    assert "public chunk" in standin.calls and "fused_recurrent" in standin.calls

@@ -1,0 +1,270 @@
+"""The ``"fla"`` backend's kernels: fla-core's Triton forward and backward, called raw.
+
+fla's public ``chunk_gated_delta_rule`` is an ``autograd.Function`` behind
+``torch.compiler.disable``; here its internal pieces (fla-core 0.6.x:
+``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd`` / ``_bwd`` and the l2norm of
+``fla.modules.norm.l2norm``) are called directly, so that torch_gdr's ops, with our fake
+and our autograd, can use them as their CUDA kernels.
+
+Both run in the canonical layout: batched ``[B, T, ...]``, key-first state, int64
+``cu_seqlens`` on the inputs' device. The forward returns what fla's own backward needs
+beside the op's inputs, so the backward recomputes nothing fla itself would not:
+
+=================  ======================  ===========================================
+saved              shape                   dtype
+=================  ======================  ===========================================
+``g_cumsum``       ``[B, T, HV]``          float32: g cumulated within each chunk, in
+                                           fla's base-2 units (``log2(e) * cumsum(g)``)
+``A``              ``[B, T, HV, BT]``      q's dtype: fla's ``(I + A)^-1`` per chunk,
+                                           ``BT`` = :func:`fla_chunk_size` (chunk_size)
+``q_rstd``         ``[B, T, H]``           float32: ``1 / sqrt(|q|^2 + 1e-6)``; ``[0]``
+                                           without ``use_qk_l2norm_in_kernel``
+``k_rstd``         ``[B, T, H]``           float32, likewise for k
+=================  ======================  ===========================================
+
+fla's refusals (for example its ``RuntimeError`` for the gated backward on Hopper GPUs
+with Triton >= 3.4.0, < 3.7.1) and failures surface as :class:`FlaRefusal`, whose
+``reason`` is a fallback reason for the dispatch policy (warn once and run the pure-torch
+path; raise when the backend was named or ``TORCH_GDR_STRICT=1``).
+:func:`unavailable_reason` predicts the refusals it can before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from torch_gdr.ops.fla._loader import TESTED_RANGE, load, reset, tilelang_installed
+
+Tensor = torch.Tensor
+
+FLA_DEVICE_TYPES: tuple[str, ...] = ("cuda",)  # where fla's Triton kernels run (ROCm tensors are "cuda" too)
+FLA_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+FLA_CHUNK_SIZES: tuple[int, ...] = (16, 32, 64)
+FLA_MAX_HEAD_K_DIM = 256
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+__all__ = ["FlaRefusal", "TESTED_RANGE", "available", "backward_refusal_reason", "fla_chunk_bwd", "fla_chunk_fwd",
+           "fla_chunk_size", "fla_fused_recurrent_fwd", "fused_recurrent_unavailable_reason", "reset",
+           "unavailable_reason"]
+
+
+class FlaRefusal(RuntimeError):
+    """fla's kernels cannot serve a call; ``reason`` says why (a fallback reason)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def available() -> bool:
+    """True when a fla-core of the tested range imports with every function used here."""
+    return not isinstance(load(), str)
+
+
+def fla_chunk_size(chunk_size: int) -> int:
+    """The chunk size given to fla: ours where fla has it (16, 32, 64), else 64 (fla has no
+    128; every chunk size gives the same result up to rounding)."""
+    return chunk_size if chunk_size in FLA_CHUNK_SIZES else 64
+
+
+def backward_refusal_reason() -> Optional[str]:
+    """The refusal fla-core 0.6 makes in the gated backward on this machine, predicted from
+    its own flags (Hopper GPU, Triton >= 3.4.0 and < 3.7.1, tilelang absent), or None.
+    Best effort: the call itself still turns a refusal into :class:`FlaRefusal`."""
+    fla = load()
+    utils = None if isinstance(fla, str) else fla.utils
+    if utils is None:
+        return None
+    hopper = bool(getattr(utils, "IS_NVIDIA_HOPPER", False))
+    affected = bool(getattr(utils, "TRITON_ABOVE_3_4_0", False)) and not bool(
+        getattr(utils, "TRITON_ABOVE_3_7_1", True))
+    if hopper and affected and not tilelang_installed():
+        return ("fla refuses the gated backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 (wrong results, "
+                "fla issue #640); upgrade Triton to >= 3.7.1 or install tilelang")
+    return None
+
+
+def _common_reason(q: Tensor, v: Tensor) -> Optional[str]:
+    fla = load()
+    if isinstance(fla, str):
+        return fla
+    if q.device.type not in FLA_DEVICE_TYPES:
+        return f"fla's Triton kernels run on CUDA tensors, not on {q.device.type!r} tensors"
+    for name, t in (("q", q), ("v", v)):
+        if t.dtype not in FLA_DTYPES:
+            return f"fla's kernels take float16, bfloat16 or float32 inputs, got {name} in {t.dtype}"
+    if q.shape[-3] == 0:
+        return "the call has no tokens (T = 0)"
+    return None
+
+
+def unavailable_reason(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                       initial_state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+                       chunk_size: int = 64, *, needs_backward: bool = False) -> Optional[str]:
+    """Why fla's chunked kernels cannot serve this (checked) call, or None when they can.
+
+    Shapes and dtypes only: nothing is read from the tensors. ``needs_backward`` adds the
+    refusals of fla's backward (:func:`backward_refusal_reason`).
+    """
+    del g, beta, initial_state, cu_seqlens, chunk_size  # any value fla takes (chunk size: fla_chunk_size)
+    reason = _common_reason(q, v)
+    if reason is not None:
+        return reason
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"fla's chunked kernels take one dtype for q, k and v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] > FLA_MAX_HEAD_K_DIM:
+        return f"fla's chunked kernels take head dims K <= {FLA_MAX_HEAD_K_DIM}, got K = {q.shape[-1]}"
+    return backward_refusal_reason() if needs_backward else None
+
+
+def fused_recurrent_unavailable_reason(q: Tensor, v: Tensor, *, needs_backward: bool = False) -> Optional[str]:
+    """Why fla's fused-recurrent kernel cannot serve a call, or None. It has no backward."""
+    if needs_backward:
+        return "fla's fused-recurrent kernel has no backward"
+    return _common_reason(q, v)
+
+
+def _classify(stage: str, exc: BaseException, version: str) -> str:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, TypeError):
+        return (f"fla-core {version}'s {stage} does not take the arguments of fla-core 0.6 ({message}); "
+                f"tested range {TESTED_RANGE}")
+    if isinstance(exc, RuntimeError) and ("Hopper" in message or "Triton" in message):
+        return f"fla refuses the {stage} on this GPU: {message}"
+    if isinstance(exc, (AssertionError, ValueError, NotImplementedError)):
+        return f"fla's {stage} rejects the call ({type(exc).__name__}: {message})"
+    return f"fla's {stage} failed ({type(exc).__name__}: {message})"
+
+
+def _call(stage: str, fn: Callable, version: str, **kwargs):
+    """Call one of fla's functions; its exceptions (but out-of-memory) become FlaRefusal."""
+    try:
+        return fn(**kwargs)
+    except _OOM:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every refusal is a fallback reason
+        raise FlaRefusal(_classify(stage, exc, version)) from exc
+
+
+def _fla_or_refuse():
+    fla = load()
+    if isinstance(fla, str):
+        raise FlaRefusal(fla)
+    return fla
+
+
+def _device(t: Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _empty_rstd(q: Tensor) -> Tensor:
+    return q.new_empty(0, dtype=torch.float32)
+
+
+def fla_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                  initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                  cu_seqlens: Optional[Tensor], chunk_size: int
+                  ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor, Tensor]:
+    """fla's chunked forward in the canonical layout.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (one dtype: fp16, bf16 or fp32).
+        g, beta: ``[B, T, HV]``, raw per-token log decay and write strength.
+        scale: a float (the caller resolves None to ``K ** -0.5``).
+        initial_state: key-first ``[N, HV, K, V]`` (any float dtype, used in float32) or None.
+        cu_seqlens: ``[N + 1]`` int64 on the inputs' device, or None.
+        chunk_size: ours; fla gets :func:`fla_chunk_size` of it.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None,
+        g_cumsum, A, q_rstd, k_rstd)``: the last four are what :func:`fla_chunk_bwd` takes
+        (see the module docstring for their shapes).
+
+    Raises:
+        FlaRefusal: fla is missing or refused or failed the call.
+    """
+    fla = _fla_or_refuse()
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    q_rstd = k_rstd = _empty_rstd(q)
+    with _device(q):
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = _call("l2norm forward", fla.l2norm_fwd, fla.version, x=q)
+            k, k_rstd = _call("l2norm forward", fla.l2norm_fwd, fla.version, x=k)
+        bt = fla_chunk_size(chunk_size)
+        chunk_indices = None if cu_seqlens is None else _call(
+            "chunk indices", fla.prepare_chunk_indices, fla.version, cu_seqlens=cu_seqlens, chunk_size=bt)
+        g_cumsum, o, A, final_state, _, _ = _call(
+            "chunked forward", fla.chunk_gated_delta_rule_fwd, fla.version,
+            q=q, k=k, v=v, g=g, beta=beta, scale=float(scale), initial_state=h0,
+            output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_size=bt)
+    return o.to(v.dtype), final_state, g_cumsum, A, q_rstd, k_rstd
+
+
+def fla_chunk_bwd(grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                  g: Tensor, beta: Tensor, g_cumsum: Tensor, A: Tensor, q_rstd: Tensor, k_rstd: Tensor,
+                  scale: float, initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
+                  cu_seqlens: Optional[Tensor], chunk_size: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """fla's chunked backward in the canonical layout.
+
+    Args:
+        grad_o: ``[B, T, HV, V]``; grad_final_state: ``[N, HV, K, V]`` or None.
+        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            chunk_size: the forward's arguments (raw q and k).
+        g_cumsum, A, q_rstd, k_rstd: what :func:`fla_chunk_fwd` returned.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the dtypes of q, k, v, g, beta and
+        initial_state; ``d_initial_state`` is None without an initial state.
+
+    Raises:
+        FlaRefusal: fla is missing or refused (e.g. the Hopper/Triton gated backward) or
+            failed the call.
+    """
+    fla = _fla_or_refuse()
+    q_in, k_in = q, k
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    if use_qk_l2norm_in_kernel:  # fla's l2norm output, exactly: x * rstd rounded to x's dtype
+        q = (q.float() * q_rstd.unsqueeze(-1)).to(q.dtype)
+        k = (k.float() * k_rstd.unsqueeze(-1)).to(k.dtype)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    dht = None if grad_final_state is None else grad_final_state.to(torch.float32).contiguous()
+    bt = fla_chunk_size(chunk_size)
+    with _device(q):
+        chunk_indices = None if cu_seqlens is None else _call(
+            "chunk indices", fla.prepare_chunk_indices, fla.version, cu_seqlens=cu_seqlens, chunk_size=bt)
+        dq, dk, dv, dbeta, dg, dh0, _, _ = _call(
+            "chunked backward", fla.chunk_gated_delta_rule_bwd, fla.version,
+            q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=float(scale), initial_state=h0,
+            do=grad_o.to(v.dtype).contiguous(), dht=dht, state_v_first=False, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_size=bt)
+        if use_qk_l2norm_in_kernel:
+            dq = _call("l2norm backward", fla.l2norm_bwd, fla.version, y=q, rstd=q_rstd, dy=dq)
+            dk = _call("l2norm backward", fla.l2norm_bwd, fla.version, y=k, rstd=k_rstd, dy=dk)
+    d_initial_state = None if initial_state is None or dh0 is None else dh0.to(initial_state.dtype)
+    return (dq.to(q_in.dtype), dk.to(k_in.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            d_initial_state)
+
+
+def fla_fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                            initial_state: Optional[Tensor], output_final_state: bool,
+                            use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]
+                            ) -> tuple[Tensor, Optional[Tensor]]:
+    """fla's fused-recurrent kernel (forward only) in the canonical layout: arguments as
+    :func:`fla_chunk_fwd` (q/k and v may differ in dtype); returns ``(o in v's dtype,
+    final_state float32 or None)``. Raises :class:`FlaRefusal`."""
+    fla = _fla_or_refuse()
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    with _device(q):
+        o, final_state = _call(
+            "fused-recurrent forward", fla.fused_recurrent_gated_delta_rule_fwd, fla.version,
+            q=q, k=k, v=v, g=g, beta=beta, scale=float(scale), initial_state=h0,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            state_v_first=False, cu_seqlens=cu_seqlens)
+    return o.to(v.dtype), final_state

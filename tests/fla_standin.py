@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule_bwd
 
 RCP_LN2 = 1.0 / math.log(2.0)
 HOPPER_MESSAGE = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg "
@@ -88,11 +88,11 @@ def build(behaviour: Behaviour) -> dict[str, types.ModuleType]:
             raise behaviour.backward_error
         assert A.shape == tuple(beta.shape) + (chunk_size,) and A.dtype == k.dtype
         assert g.dtype == torch.float32 and (chunk_indices is None) == (cu_seqlens is None)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v, _raw_g(g, chunk_size, cu_seqlens), beta)]
-        h0 = None if initial_state is None else initial_state.detach().double().requires_grad_()
-        o, final_state = naive_recurrent_gated_delta_rule(*leaves, scale, h0, True, False, cu_seqlens)
-        loss = (o * do.double()).sum() + (0 if dht is None else (final_state * dht.double()).sum())
-        grads = torch.autograd.grad(loss, leaves + ([h0] if h0 is not None else []))
+        # the reverse recurrence, not autograd: this runs inside an op, where autograd is off
+        inputs = [t.detach().double() for t in (q, k, v, _raw_g(g, chunk_size, cu_seqlens), beta)]
+        h0 = None if initial_state is None else initial_state.detach().double()
+        grads = naive_recurrent_gated_delta_rule_bwd(do.double(), None if dht is None else dht.double(), *inputs,
+                                                     scale, h0, False, cu_seqlens)
         dq, dk, dv, dg, db = (t.float() for t in grads[:5])
         dh0 = grads[5].float() if h0 is not None else None
         return dq, dk, dv, db, dg, dh0, None, None

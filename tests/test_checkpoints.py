@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_gdr
+
 from tests.helpers import make_inputs
 from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
@@ -99,3 +101,15 @@ def test_bad_checkpoint_every(every, error) -> None:
     inputs = make_inputs(seq_len=32)
     with pytest.raises(error, match="checkpoint_every"):
         chunk_gated_delta_rule_with_checkpoints(**inputs, checkpoint_every=every, chunk_size=16)
+
+
+def test_the_public_call_returns_checkpoints_for_inference() -> None:
+    inputs = make_inputs(seqlens=[70, 0, 33], num_qk_heads=1, num_v_heads=2, with_initial_state=True)
+    expected = chunk_gated_delta_rule_with_checkpoints(**inputs, checkpoint_every=32, chunk_size=16)
+    o, final_state, checkpoints, offsets = torch_gdr.chunk_gated_delta_rule(
+        **inputs, output_final_state=True, chunk_size=16, checkpoint_every=32)
+    for got, want in zip((o, final_state, checkpoints, offsets), expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    leaves = {n: (t.requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+    with pytest.raises(ValueError, match="checkpoint_every: checkpoints are for inference"):
+        torch_gdr.chunk_gated_delta_rule(**leaves, chunk_size=16, checkpoint_every=32)

@@ -4,10 +4,12 @@ in ``sys.modules`` (so that the argument mapping and every fallback reason run o
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
 
+import torch_gdr
 import torch_gdr.ops.fla as fla_backend
 from tests import fla_standin
 from tests.helpers import make_inputs
@@ -263,3 +265,66 @@ def test_gpu_check_fla_section_runs_with_the_standin(standin, monkeypatch) -> No
                                          (1, 2, 8))
     assert sum("1.00x" in line for line in lines) == 4, lines  # fwd, fwd+bwd, two decode rows: all timed
     assert "public chunk" in standin.calls and "fused_recurrent" in standin.calls
+
+
+# -- the "fla" backend's ops, through the public call (stand-in kernels on the CPU) -------------
+
+
+@pytest.mark.parametrize("use_l2norm", [True, False])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_fla_backend_ops_through_the_public_call(standin, any_device, use_l2norm: bool, varlen: bool) -> None:
+    """backend="fla": our forward op on fla's kernels, our autograd on fla's backward with the
+    tensors the forward kept (no forward recompute), the same values and gradients as the
+    "torch" backend; and opcheck of both ops."""
+    spec = dict(seqlens=[20, 0, 37]) if varlen else dict(batch_size=2, seq_len=33)
+    inputs = make_inputs(**spec, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16, dtype=torch.float32,
+                         with_initial_state=True, normalize_qk=not use_l2norm)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    results = {}
+    for backend in ("torch", "fla"):
+        leaves = {n: (t.clone().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback: fla's forward and backward both ran
+            o, s = torch_gdr.chunk_gated_delta_rule(**leaves, output_final_state=True, chunk_size=16,
+                                                    use_qk_l2norm_in_kernel=use_l2norm, backend=backend)
+            (o.sin().sum() + s.square().sum()).backward()
+        results[backend] = [o, s] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    for got, want in zip(results["fla"], results["torch"]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
+    args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    options = (None, inputs["initial_state"], True, use_l2norm, inputs.get("cu_seqlens"), 16, False)
+    torch.library.opcheck(torch.ops.gdr._fla_fwd.default, args + options + (True,))
+    _, _, saved = torch.ops.gdr._fla_fwd(*args, *options, True)
+    grad_o, dht = torch.randn_like(inputs["v"]), torch.randn_like(inputs["initial_state"])
+    torch.library.opcheck(torch.ops.gdr._fla_bwd.default,
+                          (grad_o, dht) + args + (None, inputs["initial_state"], use_l2norm,
+                                                  inputs.get("cu_seqlens"), 16, False, saved))
+
+
+def test_fla_backward_refusal_falls_back_to_the_torch_backward(standin, any_device) -> None:
+    """A refusal that shows only when fla's backward runs: one warning, the pure-torch
+    backward's gradients."""
+    from torch_gdr import _fallback
+
+    inputs = make_inputs(seq_len=20, num_qk_heads=1, num_v_heads=2, dtype=torch.float32)
+    grads = {}
+    for backend in ("torch", "fla"):
+        leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+        o, _ = torch_gdr.chunk_gated_delta_rule(**leaves, chunk_size=16, backend=backend)
+        if backend == "fla":
+            standin.backward_error = RuntimeError(fla_standin.HOPPER_MESSAGE)
+            _fallback.reset_warnings()
+            with pytest.warns(_fallback.FlaFallbackWarning, match="Hopper"):
+                o.sum().backward()
+        else:
+            o.sum().backward()
+        grads[backend] = [leaves[n].grad for n in ("q", "k", "v", "g", "beta")]
+    for got, want in zip(grads["fla"], grads["torch"]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_fla_is_the_default_on_cuda_where_it_imports(standin) -> None:
+    from torch_gdr.dispatch import backends
+
+    assert backends.default_backend(torch.device("cpu")) == "torch"
+    assert backends.default_backend(torch.device("cuda")) == "fla"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import make_inputs
-from torch_gdr.ref.fused_recurrent import check_mixed_dtypes, fused_recurrent_gated_delta_rule
+from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 CASES = {
@@ -208,15 +208,16 @@ def test_mixed_dtypes_equal_the_call_on_inputs_converted_up_front(qk_dtype, v_dt
         assert leaves[name].grad.dtype == leaves[name].dtype and torch.isfinite(leaves[name].grad).all(), name
 
 
-def test_check_mixed_dtypes_rule() -> None:
-    f32, f16 = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float16)
-    check_mixed_dtypes(f32, f32, f16)  # v may differ
+def test_mixed_dtypes_rule() -> None:
+    """v may differ from q and k; q and k may not differ from each other."""
+    inputs = make_inputs(seq_len=3, dtype=torch.float32)
+    fused_recurrent_gated_delta_rule(**dict(inputs, v=inputs["v"].half()))
     with pytest.raises(TypeError, match="k: expected the dtype of q"):
-        check_mixed_dtypes(f32, f16, f16)
+        fused_recurrent_gated_delta_rule(**dict(inputs, k=inputs["k"].half()))
     with pytest.raises(TypeError, match="v: expected a floating dtype"):
-        check_mixed_dtypes(f32, f32, torch.zeros(1, dtype=torch.int32))
+        fused_recurrent_gated_delta_rule(**dict(inputs, v=inputs["v"].int()))
     with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
-        check_mixed_dtypes([0.0], f32, f32)
+        fused_recurrent_gated_delta_rule(**dict(inputs, q=[0.0]))
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -243,16 +244,16 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 @pytest.fixture
 def step_calls(monkeypatch) -> list:
-    import torch_gdr.nn.gated_deltanet as layer_module
+    import torch_gdr.functional as functional
 
     calls = []
-    real = layer_module._fused_recurrent
+    real = functional.fused_recurrent_gated_delta_rule
 
     def counting(q, *args, **kwargs):
         calls.append(q.shape[1])
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(layer_module, "_fused_recurrent", counting)
+    monkeypatch.setattr(functional, "fused_recurrent_gated_delta_rule", counting)
     return calls
 
 

@@ -80,3 +80,38 @@ def test_backend_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_GDR_BACKEND", "nope")
     with pytest.raises(ValueError, match="TORCH_GDR_BACKEND"):
         torch_gdr.chunk_gated_delta_rule(**inputs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "recurrent"])
+@pytest.mark.parametrize(("qk_dtype", "v_dtype"), [(torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+                                                   (torch.bfloat16, torch.float16)], ids=str)
+def test_mixed_qk_and_v_dtypes_as_fla_takes_them(qk_dtype: torch.dtype, v_dtype: torch.dtype, backend: str) -> None:
+    """q/k in one float dtype, v in another: the result (o in v's dtype) and every gradient
+    (each in its input's dtype) equal the call with the inputs converted up front to the
+    compute dtype, float32."""
+    inputs = make_inputs(seqlens=[30, 0, 17], num_qk_heads=1, num_v_heads=2, with_initial_state=True,
+                         dtype=torch.float32)
+    mixed = dict(inputs, q=inputs["q"].to(qk_dtype), k=inputs["k"].to(qk_dtype), v=inputs["v"].to(v_dtype))
+    up_front = {n: (t.float() if t.is_floating_point() else t) for n, t in mixed.items()}
+    results = []
+    for case in (mixed, up_front):
+        leaves = {n: (t.clone().requires_grad_() if t.is_floating_point() else t) for n, t in case.items()}
+        o, s = torch_gdr.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                chunk_size=16, backend=backend)
+        (o.float().sum() + s.sum()).backward()  # linear: the same grad_o whatever o's rounding
+        results.append((o, s, {n: leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")}))
+    (o, s, grads), (o_ref, s_ref, grads_ref) = results
+    assert o.dtype == v_dtype
+    torch.testing.assert_close(o, o_ref.to(v_dtype), atol=0, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-6)
+    for n, grad in grads.items():
+        assert grad.dtype == mixed[n].dtype, n
+        torch.testing.assert_close(grad.float(), grads_ref[n].to(grad.dtype).float(), atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_the_exported_fused_recurrent_is_the_step_path() -> None:
+    inputs = make_inputs(seqlens=[1, 1, 3], num_qk_heads=1, num_v_heads=2, with_initial_state=True)
+    expected = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+    got = torch_gdr.fused_recurrent_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)

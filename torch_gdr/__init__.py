@@ -10,12 +10,13 @@ import importlib
 from typing import Any
 
 from torch_gdr import ops as _ops  # noqa: F401  (registers the ops)
-from torch_gdr.functional import chunk_gated_delta_rule, chunked_gated_delta_rule
+from torch_gdr.functional import chunk_gated_delta_rule, chunked_gated_delta_rule, fused_recurrent_gated_delta_rule
 from torch_gdr import nn  # noqa: E402  (layers built on the op)
 
 __version__ = "0.1.0"
 
-__all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "nn", "__version__"]
+__all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "fused_recurrent_gated_delta_rule", "nn",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -60,8 +60,9 @@ def check_inputs(
         raise TypeError(f"initial_state: expected a torch.Tensor or None, got {type(initial_state).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _expect_float(name, t)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.dtype != q.dtype:  # v may differ, as fla's kernels take it: o comes back in v's dtype
+        raise TypeError(f"k: expected the dtype of q ({q.dtype}), got {k.dtype} (v may differ from q and k; "
+                        f"q and k may not differ from each other)")
 
     if q.dim() not in (3, 4):
         raise ValueError(

@@ -8,6 +8,8 @@ import torch
 
 from torch_gdr._validate import check_inputs
 from torch_gdr.dispatch.backends import run_forward
+from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
+from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent_reference
 
 
 def chunk_gated_delta_rule(
@@ -25,7 +27,8 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     state_v_first: bool = False,
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    checkpoint_every: Optional[int] = None,
+) -> tuple[Optional[torch.Tensor], ...]:
     r"""The chunked gated delta rule, a drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
     Per sequence and value head, with a key-first state ``S [K, V]``::
@@ -58,12 +61,20 @@ def chunk_gated_delta_rule(
         backend: ``"torch"`` (the chunked pure-torch op), ``"recurrent"`` (the per-token
             recurrence) or ``"pypto"`` (the PyPTO kernel: on NPUs, or on the CPU through
             PyPTO's interpreter); None takes ``TORCH_GDR_BACKEND`` or the default for the
-            device (``"pypto"`` on NPUs, with a pure-torch fallback; ``"torch"`` elsewhere).
+            device (``"pypto"`` on NPUs, with a pure-torch fallback; ``"fla"`` on CUDA where
+            fla-core imports, with a pure-torch fallback; ``"torch"`` elsewhere).
+        checkpoint_every: for serving (prefix caching, speculative decoding), also return the
+            state after every ``checkpoint_every`` tokens of each sequence, a positive multiple
+            of ``chunk_size`` (FlashInfer's ``state_checkpoints`` convention, see
+            :mod:`torch_gdr.ref.checkpoints`); inference only (no autograd), pure-torch path.
 
     Returns:
-        ``o`` in the shape of v and dtype of v, and the final state (float32; float64 for
-        float64 inputs) in the layout of ``initial_state``, or None unless
-        ``output_final_state``.
+        ``o`` in the shape of v and dtype of v (q/k may have another float dtype than v), and
+        the final state (float32; float64 for float64 inputs) in the layout of
+        ``initial_state``, or None unless ``output_final_state``. With ``checkpoint_every``,
+        also the checkpoints ``[num_checkpoints, HV, K, V]`` (state layout as the final
+        state's) and ``checkpoint_offsets [N + 1]`` int64, sequence n's checkpoints being rows
+        ``checkpoint_offsets[n]:checkpoint_offsets[n + 1]``.
 
     Raises:
         ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend.
@@ -72,9 +83,17 @@ def chunk_gated_delta_rule(
         torch_gdr.dispatch.PyptoBackendError: ``backend="pypto"`` was named and the kernel
             cannot serve the call (pypto absent, an unsupported head dim, dtype or chunk size).
     """
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    if checkpoint_every is not None:
+        if needs_grad:
+            raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
+                             "requires grad)")
+        o, final_state, checkpoints, offsets = chunk_gated_delta_rule_with_checkpoints(
+            q, k, v, g, beta, checkpoint_every, scale, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
+        return o, (final_state if output_final_state else None), checkpoints, offsets
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     scale = None if scale is None else float(scale)
     o, final_state = run_forward(backend, (q, k, v, g, beta, scale, initial_state, output_final_state,
                                            use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first),
@@ -83,3 +102,50 @@ def chunk_gated_delta_rule(
 
 
 chunked_gated_delta_rule = chunk_gated_delta_rule
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule one token at a time, for decoding and short inputs, with the
+    signature of ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta``
+    by name with fla >= 0.6 habits). On CUDA tensors that need no gradient it runs fla's
+    fused-recurrent kernel where fla-core imports; everywhere else the pure-torch step
+    (:func:`torch_gdr.ref.fused_recurrent.fused_recurrent_gated_delta_rule`, differentiable).
+    Arguments and results as :func:`chunk_gated_delta_rule`'s (g None: no decay; beta None:
+    ones)."""
+    from torch_gdr.ops import fla
+
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    kwargs = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+    if (isinstance(q, torch.Tensor) and q.device.type == "cuda" and g is not None and beta is not None
+            and fla.fused_recurrent_unavailable_reason(q, v, needs_backward=needs_grad) is None):
+        return _fla_fused_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
+    return _fused_recurrent_reference(q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
+
+
+def _fla_fused_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, *, use_qk_l2norm_in_kernel,
+                         cu_seqlens, state_v_first):
+    """fla's fused-recurrent kernel on a checked call in any public layout."""
+    from torch_gdr._layout import canonical_call
+    from torch_gdr.ops import fla
+
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, 16, state_v_first)
+    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, 16,
+                          state_v_first)
+    o, final_state = fla.fla_fused_recurrent_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale,
+                                                 call.initial_state, True, call.use_qk_l2norm, call.cu_seqlens)
+    o, final_state = call.public_outputs(o, final_state)
+    return o, (final_state if output_final_state else None)

@@ -7,9 +7,11 @@
 | "recurrent" | ``gdr::_recurrent_fwd`` | the per-token recurrence (the definition), any device |
 | "pypto"     | ``gdr::_pypto_fwd``   | the PyPTO kernel: on Ascend NPUs, or on the CPU     |
 |             |                       | through PyPTO's interpreter (a check, not fast)     |
+| "fla"       | ``gdr::_fla_fwd``     | fla-core's Triton kernels, on CUDA tensors          |
 
 ``backend=None`` takes ``TORCH_GDR_BACKEND`` when it is set, else the default for the
-inputs' device: ``"pypto"`` on NPUs, ``"torch"`` elsewhere. Where the chosen backend
+inputs' device: ``"pypto"`` on NPUs, ``"fla"`` on CUDA where fla-core imports, ``"torch"``
+elsewhere. Where the chosen backend
 cannot serve a call, :func:`torch_gdr._fallback.refuse_or_warn` applies: a named backend
 raises, a default one warns once per reason and the call runs the ``"torch"`` op. Dispatch
 only picks ops; it registers nothing on one.
@@ -25,6 +27,8 @@ import torch
 from torch_gdr._device import is_npu_device
 from torch_gdr._fallback import BackendError, error_class, refuse_or_warn, strict_mode
 from torch_gdr._validate import CHUNK_SIZES
+from torch_gdr.ops import fla
+from torch_gdr.ops.fla import op as fla_op
 from torch_gdr.ops.pypto import op as pypto_op
 from torch_gdr.ops.pypto import spec as pypto_spec
 from torch_gdr.ops import registration
@@ -34,25 +38,45 @@ BACKEND_ENV_VAR = "TORCH_GDR_BACKEND"
 
 class Backend(NamedTuple):
     """A backend: its forward op, whether that op returns chunk states its backward reads,
-    and, for a kernel that cannot serve every call, ``unsupported_reason(q, v, chunk_size)``
-    (a reason string, or None when it can)."""
+    and, for a kernel that cannot serve every call, ``unsupported_reason(args, needs_grad)``
+    (``args``: the public op's twelve arguments; a reason string, or None when it can)."""
 
     forward_op: Any
     keeps_chunk_states: bool
-    unsupported_reason: Optional[Callable[[torch.Tensor, torch.Tensor, int], Optional[str]]] = None
+    unsupported_reason: Optional[Callable[[tuple, bool], Optional[str]]] = None
+
+
+def _pypto_reason(args: tuple, needs_grad: bool) -> Optional[str]:
+    return pypto_spec.unsupported_reason(args[0], args[2], args[10])
+
+
+def _fla_reason(args: tuple, needs_grad: bool) -> Optional[str]:
+    q, k, v, g, beta, _, initial_state, _, _, cu_seqlens, chunk_size, _ = args
+    return fla.unavailable_reason(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, needs_backward=needs_grad)
 
 
 BACKENDS: dict[str, Backend] = {
     "torch": Backend(registration.torch_chunked_fwd, True),
     "recurrent": Backend(registration.recurrent_fwd, False),
-    "pypto": Backend(pypto_op.pypto_fwd, False, pypto_spec.unsupported_reason),
+    "pypto": Backend(pypto_op.pypto_fwd, False, _pypto_reason),
+    "fla": Backend(fla_op.fla_fwd, True, _fla_reason),
 }
 FALLBACK_BACKEND = "torch"
 
 
+@torch.compiler.assume_constant_result
+def _fla_available() -> bool:
+    return fla.available()
+
+
 def default_backend(device: torch.device) -> str:
-    """The backend ``backend=None`` means on ``device`` when no environment variable is set."""
-    return "pypto" if is_npu_device(device.type) else "torch"
+    """The backend ``backend=None`` means on ``device`` when no environment variable is set:
+    ``"pypto"`` on NPUs, ``"fla"`` on CUDA devices where fla-core imports, else ``"torch"``."""
+    if is_npu_device(device.type):
+        return "pypto"
+    if device.type == "cuda" and _fla_available():
+        return "fla"
+    return "torch"
 
 
 def _resolve(backend: Optional[str], device: torch.device) -> tuple[str, bool]:
@@ -78,14 +102,13 @@ def run_forward(backend: Optional[str], args: tuple, needs_grad: bool) -> tuple[
     serving it, or on ``"torch"`` where that one cannot (see the module doc). ``needs_grad``:
     autograd records the call, so a backend that can keeps its chunk states. Returns
     ``(o, final_state)`` (the latter empty unless asked for)."""
-    q, v, chunk_size = args[0], args[2], args[10]
-    name, named = _resolve(backend, q.device)
+    name, named = _resolve(backend, args[0].device)
     chosen = BACKENDS[name]
     if chosen.unsupported_reason is not None:
-        reason = chosen.unsupported_reason(q, v, chunk_size)
+        reason = chosen.unsupported_reason(args, needs_grad)
         if reason is None:
             try:
-                o, final_state, _ = chosen.forward_op(*args, False)
+                o, final_state, _ = chosen.forward_op(*args, needs_grad and chosen.keeps_chunk_states)
                 return o, final_state
             except BackendError:
                 raise

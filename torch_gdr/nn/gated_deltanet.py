@@ -14,9 +14,6 @@ from torch_gdr.dispatch.backends import BACKEND_ENV_VAR, smallest_chunk_size
 from torch_gdr.nn.cache import GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
-# The step path for decoding and short prompts. (The lead routes CUDA to fla's kernel in the
-# public torch_gdr.fused_recurrent_gated_delta_rule; this import moves there with it.)
-from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent
 
 # Like fla's layer: out of training, calls of at most this many tokens run token by token.
 RECURRENT_MAX_LEN = 64
@@ -195,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         backend = (self.decode_backend or self.backend) if is_step else self.backend
         initial_state = None if previous is None else previous.recurrent_state
         if self._use_recurrent_step(seq_len, cu_seqlens, backend):
-            o, recurrent_state = _fused_recurrent(
+            o, recurrent_state = _functional.fused_recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, output_final_state=cache is not None,
                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -37,9 +37,9 @@ RawForward = Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[Tensor]]]
 #: ``backward(call, grad_o, grad_final_state or None, chunk_states or None) -> (dq, dk, dv, dg, dbeta,
 #: d_initial_state or None)``, canonical layout.
 RawBackward = Callable[[GdrCall, Tensor, Optional[Tensor], Optional[Tensor]], tuple[Optional[Tensor], ...]]
-#: ``rows(q, v, cu_seqlens, chunk_size)``: the first dim of the chunk states in a fake, or None
-#: for a data-dependent size.
-StatesRows = Callable[[Tensor, Tensor, Optional[Tensor], int], Optional[Union[int, Any]]]
+#: ``shape(q, v, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel)``: the chunk states' shape in
+#: a fake, None for a size that depends on the data (e.g. on the values of ``cu_seqlens``).
+StatesShape = Callable[[Tensor, Tensor, Optional[Tensor], int, bool], list[Optional[int]]]
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
          "bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, Tensor? cu_seqlens=None, "
@@ -149,11 +149,11 @@ def define_backward_op(qualname: str, backward: RawBackward) -> Any:
 
 
 def define_backend(name: str, forward: RawForward, backward_op: Any,
-                   states_rows: Optional[StatesRows] = None) -> Any:
+                   states_shape: Optional[StatesShape] = None) -> Any:
     """The forward op ``gdr::_{name}_fwd`` running ``forward``, with the shared autograd
-    backed by ``backward_op``. In a fake, its chunk states are ``[rows, K, V]`` with
-    ``rows = states_rows(q, v, cu_seqlens, chunk_size)`` (None: a data-dependent size);
-    a backend without ``states_rows`` never returns any (an empty tensor)."""
+    backed by ``backward_op``. In a fake, its chunk states have the shape ``states_shape``
+    gives (a None in it: a data-dependent size); a backend without ``states_shape`` never
+    returns any (an empty tensor)."""
 
     def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
@@ -165,12 +165,11 @@ def define_backend(name: str, forward: RawForward, backward_op: Any,
              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
              save_chunk_states=False):
         o, final_state = fake_outputs(q, v, output_final_state, cu_seqlens, state_v_first)
-        if not save_chunk_states or states_rows is None:
+        if not save_chunk_states or states_shape is None:
             return o, final_state, final_state.new_empty(0)
-        rows = states_rows(q, v, cu_seqlens, chunk_size)
-        if rows is None:
-            rows = torch.library.get_ctx().new_dynamic_size()
-        return o, final_state, final_state.new_empty([rows, q.shape[-1], v.shape[-1]])
+        shape = states_shape(q, v, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel)
+        shape = [torch.library.get_ctx().new_dynamic_size() if size is None else size for size in shape]
+        return o, final_state, final_state.new_empty(shape)
 
     op = torch.library.custom_op(f"gdr::_{name}_fwd", run, mutates_args=(), schema=FORWARD_SCHEMA)
     op.register_fake(fake)

@@ -35,20 +35,23 @@ from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule, naive_recurren
 Tensor = torch.Tensor
 
 
-def _torch_states_rows(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> Optional[int]:
-    """Rows of the ``"torch"`` backend's chunk states: ``B * ceil(T / C) * HV`` for batched
-    calls; with ``cu_seqlens`` a size known only once the op has run (it follows the lengths,
-    and the segments: a segment stores the states of every sequence active at its first chunk)."""
-    if cu_seqlens is not None:
-        return None
-    batch_size, seq_len = (1, v.shape[0]) if v.dim() == 3 else (v.shape[0], v.shape[1])
-    return batch_size * (-(-seq_len // chunk_size)) * v.shape[-2]
+def _torch_states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
+                        use_qk_l2norm: bool) -> list[Optional[int]]:
+    """The ``"torch"`` backend's chunk states, ``[rows, K, V]``: ``rows = B * ceil(T / C) * HV``
+    for batched calls; with ``cu_seqlens`` a size known only once the op has run (it follows
+    the lengths, and the segments: a segment stores the states of every sequence active at
+    its first chunk)."""
+    rows = None
+    if cu_seqlens is None:
+        batch_size, seq_len = (1, v.shape[0]) if v.dim() == 3 else (v.shape[0], v.shape[1])
+        rows = batch_size * (-(-seq_len // chunk_size)) * v.shape[-2]
+    return [rows, q.shape[-1], v.shape[-1]]
 
 
 chunked_gated_delta_rule_backward = define_backward_op("gdr::chunked_gated_delta_rule_backward",
                                                        chunk_gated_delta_rule_bwd)
 torch_chunked_fwd = define_backend("torch", chunk_gated_delta_rule_fwd, chunked_gated_delta_rule_backward,
-                                   _torch_states_rows)
+                                   _torch_states_shape)
 
 
 def _host_offsets(call: GdrCall) -> Optional[Tensor]:

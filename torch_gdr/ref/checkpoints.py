@@ -27,7 +27,9 @@ from typing import Optional
 
 import torch
 
-from torch_gdr._validate import check_cu_seqlens_values, check_inputs
+from torch_gdr._layout import canonical_call
+from torch_gdr._validate import check_inputs
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_layout import layout_for_call
 from torch_gdr.ref.chunk_states import ChunkStates
 
@@ -120,36 +122,15 @@ def chunk_gated_delta_rule_with_checkpoints(
         TypeError, ValueError: as the public call, and for a ``checkpoint_every`` that is
             not a positive multiple of ``chunk_size``.
     """
-    from torch_gdr.ref.chunk import _forward_impl
-
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     check_checkpoint_every(checkpoint_every, chunk_size)
-    if q.dim() == 3:  # token-major: one packed batch
-        o, final_state, checkpoints, offsets = chunk_gated_delta_rule_with_checkpoints(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), checkpoint_every,
-            scale, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size, state_v_first=state_v_first)
-        return o.squeeze(0), final_state, checkpoints, offsets
-    batch, seq_len = q.shape[:2]
-    if cu_seqlens is not None:
-        check_cu_seqlens_values(cu_seqlens, seq_len)
-        bounds = cu_seqlens.tolist()
-        seq_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    else:
-        seq_lens = [seq_len] * batch
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                          state_v_first)
     with torch.no_grad():
-        o, final_state, storage = _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-                                                cu_seqlens, chunk_size, save_states=True)
-        layout = layout_for_call(v, cu_seqlens, chunk_size)
+        o, final_state, storage = chunk_gated_delta_rule_fwd(call, save_states=True)
+        layout = layout_for_call(call.v, call.offsets, chunk_size)
         states = ChunkStates(layout, None, q.shape[-1], v.shape[-1], keep=True, storage=storage)
-        checkpoints = gather_checkpoints(states, layout, final_state, seq_lens, checkpoint_every)
-    if state_v_first:
-        final_state, checkpoints = final_state.transpose(-1, -2), checkpoints.transpose(-1, -2)
-    if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
-        final_state = final_state.clone()
-    return (o, final_state.contiguous(), checkpoints.contiguous(),
-            checkpoint_offsets_for(seq_lens, checkpoint_every, q.device))
+        checkpoints = gather_checkpoints(states, layout, final_state, call.seq_lens, checkpoint_every)
+    o, final_state = call.public_outputs(o, final_state)
+    return (o, final_state, call.public_state(checkpoints).contiguous(),
+            checkpoint_offsets_for(call.seq_lens, checkpoint_every, q.device))

@@ -26,28 +26,11 @@ from typing import Optional
 
 import torch
 
-from torch_gdr._validate import CHUNK_SIZES, FLOAT_DTYPES, check_cu_seqlens_values, check_inputs
+from torch_gdr._layout import default_scale
+from torch_gdr._validate import CHUNK_SIZES, check_inputs, read_cu_seqlens
 from torch_gdr.ref.utils import L2NORM_EPS
 
 Tensor = torch.Tensor
-
-
-def check_mixed_dtypes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The dtype rule of fla's kernels: q and k share one float dtype, v may have another.
-
-    Raises ``TypeError`` naming the argument for a non-tensor or non-floating input, or
-    for q and k of different dtypes. (Everything else about the call is checked by
-    :func:`torch_gdr._validate.check_inputs`.)
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), "
-                            f"got {t.dtype}")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k: expected the dtype of q ({q.dtype}), got {k.dtype} "
-                        f"(v may differ from q and k; q and k may not differ from each other)")
 
 
 def compute_dtype(q: Tensor, v: Tensor) -> torch.dtype:
@@ -252,23 +235,23 @@ def fused_recurrent_gated_delta_rule(
             non-integer ``cu_seqlens``.
         ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values.
     """
-    check_mixed_dtypes(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     lead = tuple(v.shape[:-1])  # [B, T, HV] or [T, HV]
     if g is None:
         g = torch.zeros(lead, dtype=torch.float32, device=v.device)
     if beta is None:
         beta = torch.ones(lead, dtype=torch.float32, device=v.device)
-    # check_inputs wants one dtype for q, k, v: show it a zero-stride stand-in for v in q's dtype.
-    v_checked = v if v.dtype == q.dtype else q.new_empty(()).expand(v.shape)
-    check_inputs(q, k, v_checked, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
     token_major = q.dim() == 3
     if token_major:
         q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
     if cu_seqlens is not None:
-        check_cu_seqlens_values(cu_seqlens, q.shape[1])
+        read_cu_seqlens(cu_seqlens, q.shape[1])
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     o, final_state = fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                          cu_seqlens)
     if token_major:

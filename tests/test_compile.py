@@ -39,3 +39,21 @@ def test_fullgraph_forward_and_backward(backend: str) -> None:
     torch.testing.assert_close(got, want)
     for name, g, w in zip(names, got_grads, want_grads):
         torch.testing.assert_close(g, w, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed")
+def test_opcheck_pypto_ops() -> None:
+    """The pypto backend's forward and backward ops pass torch.library's checks (each check
+    runs the kernel through the interpreter several times: slow)."""
+    inputs = make_inputs(seqlens=[40, 0, 9], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                         with_initial_state=True, dtype=torch.float32)
+    args = tuple(inputs[n].requires_grad_() for n in ("q", "k", "v", "g", "beta"))
+    h0 = inputs["initial_state"].float().requires_grad_()
+    options = (True, inputs["cu_seqlens"], 64, False)
+    torch.library.opcheck(torch.ops.gdr._pypto_fwd.default, args + (None, h0, True) + options + (True,))
+    with torch.no_grad():
+        _, _, states = torch.ops.gdr._pypto_fwd(*args, None, h0, True, *options, True)
+    grad_o, dht = torch.randn_like(inputs["v"]), torch.randn_like(h0)
+    torch.library.opcheck(torch.ops.gdr._pypto_bwd.default,
+                          (grad_o, dht) + tuple(a.detach() for a in args) + (None, h0.detach()) + options + (states,))

@@ -331,3 +331,49 @@ def pypto_chunk_gated_delta_rule_bwd(
         dk = (dk - k32 * (k32 * dk).sum(-1, keepdim=True)) * k_rnorm
     grads = tuple(grad.to(x.dtype) for grad, x in ((dq, q), (dk, k), (dv, v), (dg, g), (dbeta, beta)))
     return grads + (d_initial_from(d_initial),)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def build_bwd_for_cost_model(
+    lens: list[int], *, heads: int, v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int = 128,
+    has_initial_state: bool = True, seed: int = 0, **kernel_options: Any,
+) -> tuple[Any, list[Tensor]]:
+    """A backward kernel in stock SIM run mode and its arguments, for pypto's cost model.
+
+    Calling ``kernel(*args)`` (with PyPTO's output redirected, see
+    :func:`._env.redirected_output`) compiles the kernel and writes
+    ``CostModelSimulationOutput/_simulate.stat.report.txt``. The workload mirrors the
+    forward's cost-model run: random inputs for packed sequences of ``lens`` with a
+    gradient on the final state when ``has_initial_state`` (a training step that carries
+    a state). The cycle count does not depend on the values.
+
+    ``kernel_options`` go to :func:`.kernel_bwd.build_gdr_bwd_kernel` (``vec_rows``,
+    ``stitch_function_max_num``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_seqs = sum(lens), len(lens)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    state_shape = (num_seqs, v_heads, head_k_dim, head_v_dim)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    kernel = build_gdr_bwd_kernel(
+        num_seqs=num_seqs, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+        chunk_size=chunk_size, scale=head_k_dim ** -0.5, has_final_state_grad=has_initial_state, **kernel_options)
+    args = [
+        randn(num_tokens, heads, head_k_dim), randn(num_tokens, heads, head_k_dim),
+        randn(num_tokens, v_heads, head_v_dim),
+        torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads)),
+        randn(num_tokens, v_heads, head_v_dim),
+        cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size),
+        0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
+        randn(*state_shape) if has_initial_state else torch.zeros(1, 1, 1, 1),
+        torch.zeros(num_tokens, v_heads, head_k_dim), torch.zeros(num_tokens, v_heads, head_k_dim),
+        torch.zeros(num_tokens, v_heads, head_v_dim), torch.zeros(num_tokens, v_heads),
+        torch.zeros(num_tokens, v_heads), torch.zeros(state_shape),
+    ]
+    return kernel, args

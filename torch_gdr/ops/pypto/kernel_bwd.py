@@ -174,13 +174,17 @@ def _chunk_backward(
     k_out = k * decay_out  # Kd
     q_in = q * decay_in  # Qg
 
-    # The carried chain.
-    dv_new = pypto.matmul(attn, do, fp32, a_trans=True) + pypto.matmul(k_out, d_state, fp32)
+    # The carried chain: dS = exp(gamma_C) dS' - (W^T Kd) dS' + (Qg^T dO - W^T P^T dO), so
+    # that one matmul and one vector task per chunk depend on dS'.
+    dv_out = pypto.matmul(attn, do, fp32, a_trans=True)  # P^T dO
+    w_k_out = pypto.matmul(w, k_out, fp32, a_trans=True)  # W^T Kd, [K, K]
+    d_state_rest = pypto.matmul(q_in, do, fp32, a_trans=True) - pypto.matmul(w, dv_out, fp32, a_trans=True)
     d_state_in = (
         d_state * pypto.expand_clone(chunk_decay, [head_k_dim, 1])
-        + pypto.matmul(q_in, do, fp32, a_trans=True)
-        - pypto.matmul(w, dv_new, fp32, a_trans=True)
+        - pypto.matmul(w_k_out, d_state, fp32)
+        + d_state_rest
     )
+    dv_new = dv_out + pypto.matmul(k_out, d_state, fp32)
 
     # Everything else.
     dvb = pypto.matmul(t_inv, dv_new, fp32, a_trans=True)  # d(beta V)
@@ -225,7 +229,7 @@ def build_gdr_bwd_kernel(
     scale: float,
     has_final_state_grad: bool,
     on_device: bool = False,
-    vec_rows: int = 64,
+    vec_rows: int = 128,
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR backward kernel for one configuration.

@@ -214,7 +214,8 @@ def _chunk_backward(
         + dk_out * decay_out
     )
     dv = dvb * beta
-    dg = pypto.matmul(lower, dgamma, fp32, a_trans=True) + last  # reverse cumsum within the chunk
+    # reverse cumsum within the chunk: total - cumsum + self
+    dg = dgamma - pypto.cumsum(dgamma, 0) + (dgamma.sum(0, keepdim=True) + last)
     return dq, dk, dv, dg, dbeta, d_state_in
 
 
@@ -231,6 +232,8 @@ def build_gdr_bwd_kernel(
     on_device: bool = False,
     vec_rows: int = 128,
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
+    pass_options: dict | None = None,
+    runtime_options: dict | None = None,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR backward kernel for one configuration.
 
@@ -243,6 +246,7 @@ def build_gdr_bwd_kernel(
         on_device: run mode NPU rather than SIM (CPU interpreter or cost model).
         vec_rows: rows of the vector tiles (at most l).
         stitch_function_max_num: pypto runtime option (see the forward kernel).
+        pass_options, runtime_options: further pypto options of the jit (tuning).
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
@@ -264,7 +268,12 @@ def build_gdr_bwd_kernel(
     rows_v = min(l, vec_rows)
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num})
+    runtime = {"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num, **(runtime_options or {})}
+    jit_options: dict = {"runtime_options": runtime}
+    if pass_options:
+        jit_options["pass_options"] = dict(pass_options)
+
+    @pypto.frontend.jit(**jit_options)
     def gdr_bwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
         k: pypto.Tensor([tokens, num_qk_heads, dk], fp32),

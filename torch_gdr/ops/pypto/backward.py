@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 KernelGetter = Callable[..., Any]
 
 # Positions of the outputs among the kernel's tensor arguments.
-_OUTPUT_ARGS = (11, 12, 13, 14, 15, 16)
+_OUTPUT_ARGS = (12, 13, 14, 15, 16, 17)
 
 
 # --------------------------------------------------------------------------- kernel cache
@@ -310,6 +310,7 @@ def pypto_chunk_gated_delta_rule_bwd(
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         chunk_offsets.to(device=device, dtype=torch.int32),
         bwd_chunk_masks(chunk_size).to(device),
+        torch.eye(head_k_dim, device=device),
         fp32(chunk_states),
         fp32(grad_final_state) if has_final_state_grad else torch.zeros(1, 1, 1, 1, device=device),
         *outputs,
@@ -369,7 +370,7 @@ def build_bwd_for_cost_model(
         randn(num_tokens, v_heads, head_v_dim),
         torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads)),
         randn(num_tokens, v_heads, head_v_dim),
-        cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size),
+        cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size), torch.eye(head_k_dim),
         0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
         randn(*state_shape) if has_initial_state else torch.zeros(1, 1, 1, 1),
         torch.zeros(num_tokens, v_heads, head_k_dim), torch.zeros(num_tokens, v_heads, head_k_dim),

@@ -17,6 +17,7 @@ grad_o            ``[T, HV, V]`` fp32      gradient on the output
 act_seq_len       ``[N + 1]`` int32        cumulative sequence offsets, last one == T
 chunk_offsets     ``[N + 1]`` int32        exclusive cumsum of ``ceil(len_n / l)``
 chunk_masks       ``[M, l, l]`` fp32       constant masks, see :func:`bwd_chunk_masks`
+eye               ``[K, K]`` fp32          the identity
 chunk_states      ``[C, HV, K, V]`` fp32   the state ENTERING every chunk, key-first;
                                            sequence n's chunk c at row chunk_offsets[n] + c
 grad_state_in     ``[N, HV, K, V]`` fp32   gradient on the final state (``[1, 1, 1, 1]``,
@@ -40,14 +41,16 @@ where the whole derivation is)::
     P = (Q K^T) * Gamma   Qg = exp(gamma) Q   Kd = exp(gamma_C - gamma) K
 
     dV' = P^T dO + Kd dS'                       dS = exp(gamma_C) dS' + Qg^T dO - W^T dV'
+                                                   = (exp(gamma_C) I - W^T Kd) dS' + (Qg - P W)^T dO
     dVb = T^T dV'   -dKb = dVb S^T   dP = dO V'^T   -dA = strict(dVb V'^T)
     dQ = (dP * Gamma) K + exp(gamma) (dO S^T)
     dK = (dP * Gamma)^T Q + (dB + dB^T) K + beta exp(gamma) dKb + Kd-term   dB = beta dA * Gamma
     dV = beta dVb     dbeta = rowsum(dVb V) + rowsum(dA G) + exp(gamma) rowsum(dKb K)
     dg = reverse cumsum of dgamma (+ the chunk-last terms, which reach every row)
 
-Only ``dV'`` and ``dS`` are on the carried chain; every other task of a chunk depends on
-the chain only through ``dS'`` and overlaps with the neighbouring chunks' work.
+Only one matmul and one add per chunk are on the carried chain (``dS``, in the second
+form above); every other task of a chunk depends on the chain only through ``dS'`` and
+overlaps with the neighbouring chunks' work.
 
 The tail chunk of a sequence (its first iteration here) is read with ``valid_shape`` and
 zero-filled with ``fillpad``: zero q, k, v, beta, g and dO rows contribute nothing, and
@@ -141,12 +144,13 @@ def _invert_unit_lower(a: Any, masks: Any, chunk_size: int) -> Any:
 
 
 def _chunk_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, do: Any, state: Any, d_state: Any, masks: Any, *, scale: float,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, do: Any, state: Any, d_state: Any, masks: Any, eye: Any, *,
+    scale: float,
     chunk_size: int, head_k_dim: int,
 ) -> tuple[Any, ...]:
     """One chunk: full-size tiles q, k ``[l, K]``, v, do ``[l, V]``, g, beta ``[l, 1]``,
     ``state [K, V]`` entering the chunk, ``d_state [K, V]`` the gradient w.r.t. the state
-    leaving it.
+    leaving it, ``eye [K, K]`` the identity.
 
     Returns ``(dq, dk, dv, dg, dbeta, d_state_in)``: dq, dk ``[l, K]`` (dq w.r.t. the
     unscaled q), dv ``[l, V]``, dg, dbeta ``[l, 1]``, and the gradient w.r.t. the state
@@ -174,16 +178,15 @@ def _chunk_backward(
     k_out = k * decay_out  # Kd
     q_in = q * decay_in  # Qg
 
-    # The carried chain: dS = exp(gamma_C) dS' - (W^T Kd) dS' + (Qg^T dO - W^T P^T dO), so
-    # that one matmul and one vector task per chunk depend on dS'.
+    # The carried chain: dS = (exp(gamma_C) I - W^T Kd) dS' + (Qg^T dO - W^T P^T dO), so
+    # that one matmul and one add per chunk depend on dS'. (The chain matrix gets its own
+    # exp: a value shared with a vector op that reads dS' may be fused into that op's
+    # task, which would hold the chain matrix back behind the chain.)
     dv_out = pypto.matmul(attn, do, fp32, a_trans=True)  # P^T dO
-    w_k_out = pypto.matmul(w, k_out, fp32, a_trans=True)  # W^T Kd, [K, K]
+    chain = eye * pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1]) - pypto.matmul(
+        w, k_out, fp32, a_trans=True)
     d_state_rest = pypto.matmul(q_in, do, fp32, a_trans=True) - pypto.matmul(w, dv_out, fp32, a_trans=True)
-    d_state_in = (
-        d_state * pypto.expand_clone(chunk_decay, [head_k_dim, 1])
-        - pypto.matmul(w_k_out, d_state, fp32)
-        + d_state_rest
-    )
+    d_state_in = pypto.matmul(chain, d_state, fp32) + d_state_rest
     dv_new = dv_out + pypto.matmul(k_out, d_state, fp32)
 
     # Everything else.
@@ -206,7 +209,10 @@ def _chunk_backward(
     dk_out = pypto.matmul(v_new, d_state, fp32, b_trans=True)  # d(Kd)
     t_out = (dk_out * k_out).sum(-1, keepdim=True)
     dgamma = dgamma - t_out
-    last = t_out.sum(0, keepdim=True) + chunk_decay * (d_state * state).sum(-1, keepdim=True).sum(0, keepdim=True)
+    # sum(dS' * S) as the trace of dS' S^T: a vector op reading the state tile itself would
+    # have the state's load fused into it and hold every reader of the state behind dS'.
+    state_dot = (pypto.matmul(d_state, state, fp32, b_trans=True) * eye).sum(-1, keepdim=True).sum(0, keepdim=True)
+    last = t_out.sum(0, keepdim=True) + chunk_decay * state_dot
     dk = (
         pypto.matmul(dp_decay, q, fp32, a_trans=True)
         + pypto.matmul(d_gram + pypto.transpose(d_gram, 0, 1), k, fp32)
@@ -217,6 +223,12 @@ def _chunk_backward(
     # reverse cumsum within the chunk: total - cumsum + self
     dg = dgamma - pypto.cumsum(dgamma, 0) + (dgamma.sum(0, keepdim=True) + last)
     return dq, dk, dv, dg, dbeta, d_state_in
+
+
+def _set_pass_options(options: dict | None) -> None:
+    """``pypto.set_pass_options(**options)`` inside a jit body (which cannot branch on a dict)."""
+    if options:
+        import_pypto().set_pass_options(**options)
 
 
 def build_gdr_bwd_kernel(
@@ -270,8 +282,6 @@ def build_gdr_bwd_kernel(
 
     runtime = {"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num, **(runtime_options or {})}
     jit_options: dict = {"runtime_options": runtime}
-    if pass_options:
-        jit_options["pass_options"] = dict(pass_options)
 
     @pypto.frontend.jit(**jit_options)
     def gdr_bwd_kernel(
@@ -284,6 +294,7 @@ def build_gdr_bwd_kernel(
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         masks: pypto.Tensor([n_masks, l, l], fp32),
+        eye: pypto.Tensor([dk, dk], fp32),
         chunk_states: pypto.Tensor([chunks_total, num_v_heads, dk, dv], fp32),
         grad_state_in: pypto.Tensor(d_state_shape, fp32),
         dq_out: pypto.Tensor([tokens, num_v_heads, dk], fp32),
@@ -294,10 +305,13 @@ def build_gdr_bwd_kernel(
         grad_state_out: pypto.Tensor([num_seqs, num_v_heads, dk, dv], fp32),
     ):
         pypto.set_cube_tile_shapes([CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE])
+        _set_pass_options(pass_options)
         mask_tiles = []
         for i in range(n_masks):  # unrolled at trace time
             pypto.set_vec_tile_shapes(1, rows_v, 128)
             mask_tiles.append(pypto.reshape(pypto.view(masks, [1, l, l], [i, 0, 0]), [l, l]))
+        pypto.set_vec_tile_shapes(rows_v, 128)
+        eye_k = pypto.view(eye, [dk, dk], [0, 0])
 
         for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
             seq = pair // num_v_heads
@@ -347,7 +361,7 @@ def build_gdr_bwd_kernel(
                     g_c = pypto.fillpad(g_c, "constant", 0.0)
                     beta_c = pypto.fillpad(beta_c, "constant", 0.0)
                     dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
-                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles,
+                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
                     d_state[:] = d_state_in
                     pypto.set_vec_tile_shapes(rows_v, 1, 128)
@@ -360,7 +374,7 @@ def build_gdr_bwd_kernel(
                                    dbeta_out)
                 else:
                     dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
-                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles,
+                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
                     d_state[:] = d_state_in
                     pypto.set_vec_tile_shapes(rows_v, 1, 128)

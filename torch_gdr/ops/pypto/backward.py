@@ -57,7 +57,6 @@ class BwdKernelKey:
     head_v_dim: int
     chunk_size: int
     scale: float
-    has_final_state_grad: bool
     on_device: bool
     kind: str = field(default="bwd")
 
@@ -194,6 +193,16 @@ def _l2norm_with_rnorm(x: Tensor) -> tuple[Tensor, Tensor]:
     return x * rnorm, rnorm
 
 
+def _augmented(grad_final_state: Optional[Tensor], num_seqs: int, num_v_heads: int, head_k_dim: int,
+               head_v_dim: int, device: torch.device) -> Tensor:
+    """``[N, HV, K + V, V]`` fp32: the final-state gradient (or zeros) over the identity."""
+    aug = torch.zeros(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=device)
+    if grad_final_state is not None:
+        aug[:, :, :head_k_dim] = grad_final_state
+    aug[:, :, head_k_dim:] = torch.eye(head_v_dim, device=device)
+    return aug
+
+
 def _check_bwd_args(grad_o: Tensor, grad_final_state: Optional[Tensor], v: Tensor, num_seqs: int,
                     head_k_dim: int, chunk_states: Optional[Tensor], num_chunks: int) -> None:
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -283,7 +292,6 @@ def pypto_chunk_gated_delta_rule_bwd(
         chunk_states = chunk_states_torch(k32, v, g, beta, cu_seqlens, initial_state, chunk_size)
 
     on_device = device.type == "npu"
-    has_final_state_grad = grad_final_state is not None
     getter = kernel_getter if kernel_getter is not None else _default_kernel_getter()
     kernel = getter(
         num_seqs=num_seqs,
@@ -293,7 +301,6 @@ def pypto_chunk_gated_delta_rule_bwd(
         head_v_dim=head_v_dim,
         chunk_size=chunk_size,
         scale=float(scale),
-        has_final_state_grad=has_final_state_grad,
         on_device=on_device,
     )
     per_v_head_k = (num_tokens, num_v_heads, head_k_dim)
@@ -312,7 +319,7 @@ def pypto_chunk_gated_delta_rule_bwd(
         bwd_chunk_masks(chunk_size).to(device),
         torch.eye(head_k_dim, device=device),
         fp32(chunk_states),
-        fp32(grad_final_state) if has_final_state_grad else torch.zeros(1, 1, 1, 1, device=device),
+        _augmented(grad_final_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
         *outputs,
     ]
     if on_device:
@@ -364,7 +371,7 @@ def build_bwd_for_cost_model(
 
     kernel = build_gdr_bwd_kernel(
         num_seqs=num_seqs, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-        chunk_size=chunk_size, scale=head_k_dim ** -0.5, has_final_state_grad=has_initial_state, **kernel_options)
+        chunk_size=chunk_size, scale=head_k_dim ** -0.5, **kernel_options)
     args = [
         randn(num_tokens, heads, head_k_dim), randn(num_tokens, heads, head_k_dim),
         randn(num_tokens, v_heads, head_v_dim),
@@ -372,7 +379,8 @@ def build_bwd_for_cost_model(
         randn(num_tokens, v_heads, head_v_dim),
         cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size), torch.eye(head_k_dim),
         0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
-        randn(*state_shape) if has_initial_state else torch.zeros(1, 1, 1, 1),
+        _augmented(randn(*state_shape) if has_initial_state else None, num_seqs, v_heads, head_k_dim, head_v_dim,
+                   torch.device("cpu")),
         torch.zeros(num_tokens, v_heads, head_k_dim), torch.zeros(num_tokens, v_heads, head_k_dim),
         torch.zeros(num_tokens, v_heads, head_v_dim), torch.zeros(num_tokens, v_heads),
         torch.zeros(num_tokens, v_heads), torch.zeros(state_shape),

@@ -20,8 +20,9 @@ chunk_masks       ``[M, l, l]`` fp32       constant masks, see :func:`bwd_chunk_
 eye               ``[K, K]`` fp32          the identity
 chunk_states      ``[C, HV, K, V]`` fp32   the state ENTERING every chunk, key-first;
                                            sequence n's chunk c at row chunk_offsets[n] + c
-grad_state_in     ``[N, HV, K, V]`` fp32   gradient on the final state (``[1, 1, 1, 1]``,
-                                           never read, when ``has_final_state_grad`` is off)
+grad_state_in     ``[N, HV, K + V, V]``    ``[dS_final; I]``: the gradient on the final
+                  fp32                     state (zeros when there is none) over the
+                                           V x V identity
 dq, dk            ``[T, HV, K]`` fp32      gradients w.r.t. q, k per VALUE head (the host
                                            sums each group of HV / H value heads)
 dv                ``[T, HV, V]`` fp32
@@ -48,9 +49,13 @@ where the whole derivation is)::
     dV = beta dVb     dbeta = rowsum(dVb V) + rowsum(dA G) + exp(gamma) rowsum(dKb K)
     dg = reverse cumsum of dgamma (+ the chunk-last terms, which reach every row)
 
-Only one matmul and one add per chunk are on the carried chain (``dS``, in the second
-form above); every other task of a chunk depends on the chain only through ``dS'`` and
-overlaps with the neighbouring chunks' work.
+The carried chain is one matmul per chunk: with ``R = (Qg - P W)^T dO`` and the chain
+matrix ``M = exp(gamma_C) I - W^T Kd`` (both off the chain), the kernel carries
+``[dS; I]`` (``[K + V, V]``) and computes ``dS = [M | R] @ [dS'; I]``. Every other task of
+a chunk depends on the chain only through ``dS'`` and overlaps with the neighbouring
+chunks' work; the vector ops that read ``dS'`` share no producer with the chunk's
+parallel part (pypto fuses a producer into its consumer's task, which would put the
+parallel part behind the chain).
 
 The tail chunk of a sequence (its first iteration here) is read with ``valid_shape`` and
 zero-filled with ``fillpad``: zero q, k, v, beta, g and dO rows contribute nothing, and
@@ -147,13 +152,13 @@ def _invert_unit_lower(a: Any, masks: Any, chunk_size: int) -> Any:
 
 
 def _chunk_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, do: Any, state: Any, d_state: Any, masks: Any, eye: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, do: Any, state: Any, d_state_aug: Any, masks: Any, eye: Any, *,
     scale: float,
     chunk_size: int, head_k_dim: int,
 ) -> tuple[Any, ...]:
     """One chunk: full-size tiles q, k ``[l, K]``, v, do ``[l, V]``, g, beta ``[l, 1]``,
-    ``state [K, V]`` entering the chunk, ``d_state [K, V]`` the gradient w.r.t. the state
-    leaving it, ``eye [K, K]`` the identity.
+    ``state [K, V]`` entering the chunk, ``d_state_aug [K + V, V]`` the gradient w.r.t.
+    the state leaving it over the V x V identity, ``eye [K, K]`` the identity.
 
     Returns ``(dq, dk, dv, dg, dbeta, d_state_in)``: dq, dk ``[l, K]`` (dq w.r.t. the
     unscaled q), dv ``[l, V]``, dg, dbeta ``[l, 1]``, and the gradient w.r.t. the state
@@ -162,6 +167,7 @@ def _chunk_backward(
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     lower, strict = masks[MASK_LOWER], masks[MASK_STRICT_LOWER]
+    d_state = pypto.view(d_state_aug, [head_k_dim, d_state_aug.shape[1]], [0, 0])
     q = q * scale
 
     # The forward's chunk quantities.
@@ -181,15 +187,15 @@ def _chunk_backward(
     k_out = k * decay_out  # Kd
     q_in = q * decay_in  # Qg
 
-    # The carried chain: dS = (exp(gamma_C) I - W^T Kd) dS' + (Qg^T dO - W^T P^T dO), so
-    # that one matmul and one add per chunk depend on dS'. (The chain matrix gets its own
-    # exp: a value shared with a vector op that reads dS' may be fused into that op's
-    # task, which would hold the chain matrix back behind the chain.)
+    # The carried chain: dS = (exp(gamma_C) I - W^T Kd) dS' + (Qg^T dO - W^T P^T dO). (The
+    # chain matrix gets its own exp: a value shared with a vector op that reads dS' may be
+    # fused into that op's task, which would hold the chain matrix back behind the chain.)
     dv_out = pypto.matmul(attn, do, fp32, a_trans=True)  # P^T dO
     chain = eye * pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1]) - pypto.matmul(
         w, k_out, fp32, a_trans=True)
     d_state_rest = pypto.matmul(q_in, do, fp32, a_trans=True) - pypto.matmul(w, dv_out, fp32, a_trans=True)
-    d_state_in = pypto.matmul(chain, d_state, fp32) + d_state_rest
+    # One matmul on the chain: [dS; I] carried, dS <- [chain | rest] @ [dS'; I].
+    d_state_in = pypto.matmul(pypto.concat([chain, d_state_rest], dim=1), d_state_aug, fp32)
     dv_new = dv_out + pypto.matmul(k_out, d_state, fp32)
 
     # Everything else.
@@ -243,7 +249,6 @@ def build_gdr_bwd_kernel(
     head_v_dim: int,
     chunk_size: int,
     scale: float,
-    has_final_state_grad: bool,
     on_device: bool = False,
     vec_rows: int = 128,
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
@@ -257,7 +262,6 @@ def build_gdr_bwd_kernel(
         head_k_dim, head_v_dim: K and V, each 64 or 128.
         chunk_size: l, 32, 64 or 128; must be the chunk length of the ``chunk_states``.
         scale: the factor the forward applied to q.
-        has_final_state_grad: read ``grad_state_in``; otherwise it is zero.
         on_device: run mode NPU rather than SIM (CPU interpreter or cost model).
         vec_rows: rows of the vector tiles (at most l).
         stitch_function_max_num: pypto runtime option (see the forward kernel).
@@ -277,7 +281,7 @@ def build_gdr_bwd_kernel(
     group = num_v_heads // num_qk_heads
     num_pairs = num_seqs * num_v_heads
     n_masks = 4 + num_merge_levels(chunk_size)
-    d_state_shape = [num_seqs, num_v_heads, head_k_dim, head_v_dim] if has_final_state_grad else [1, 1, 1, 1]
+    d_state_shape = [num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim]
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
     rows_v = min(l, vec_rows)
@@ -325,13 +329,10 @@ def build_gdr_bwd_kernel(
             first_chunk_row = chunk_offsets[seq]
             n_chunks = (seq_len + l - 1) // l
             pypto.set_vec_tile_shapes(rows_v, 128)
-            if has_final_state_grad:
-                # "+ 0.0" makes a copy: d_state is updated in place below.
-                d_state = pypto.reshape(
-                    pypto.view(grad_state_in, [1, 1, dk, dv], [seq, head, 0, 0]), [dk, dv]
-                ) + 0.0
-            else:
-                d_state = pypto.full([dk, dv], 0.0, fp32)
+            # "+ 0.0" makes a copy: d_state is updated in place below.
+            d_state = pypto.reshape(
+                pypto.view(grad_state_in, [1, 1, dk + dv, dv], [seq, head, 0, 0]), [dk + dv, dv]
+            ) + 0.0
 
             for step in pypto.loop(n_chunks, name="LOOP_CHUNK_REVERSED", idx_name="step"):
                 chunk = n_chunks - 1 - step
@@ -366,7 +367,7 @@ def build_gdr_bwd_kernel(
                     dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
                         q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
-                    d_state[:] = d_state_in
+                    d_state[0:dk, 0:dv] = d_state_in
                     pypto.set_vec_tile_shapes(rows_v, 1, 128)
                     pypto.assemble(pypto.reshape(dq_c, [l, 1, dk], valid_shape=[rows, 1, dk]), [start, head, 0], dq_out)
                     pypto.assemble(pypto.reshape(dk_c, [l, 1, dk], valid_shape=[rows, 1, dk]), [start, head, 0], dk_out)
@@ -379,7 +380,7 @@ def build_gdr_bwd_kernel(
                     dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
                         q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
-                    d_state[:] = d_state_in
+                    d_state[0:dk, 0:dv] = d_state_in
                     pypto.set_vec_tile_shapes(rows_v, 1, 128)
                     pypto.assemble(pypto.reshape(dq_c, [l, 1, dk]), [start, head, 0], dq_out)
                     pypto.assemble(pypto.reshape(dk_c, [l, 1, dk]), [start, head, 0], dk_out)
@@ -388,6 +389,7 @@ def build_gdr_bwd_kernel(
                     pypto.assemble(dg_c, [start, head], dg_out)
                     pypto.assemble(dbeta_c, [start, head], dbeta_out)
             pypto.set_vec_tile_shapes(rows_v, 128)
-            pypto.assemble(pypto.reshape(d_state, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
+            d_state_final = pypto.view(d_state, [dk, dv], [0, 0])
+            pypto.assemble(pypto.reshape(d_state_final, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
 
     return gdr_bwd_kernel

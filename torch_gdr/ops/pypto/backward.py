@@ -313,14 +313,15 @@ def pypto_chunk_gated_delta_rule_bwd(
         torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device),
     ]
     args = [
-        q32, k32, fp32(v), fp32(g), fp32(beta), fp32(grad_o),
+        q32.view(num_tokens, -1), k32.view(num_tokens, -1), fp32(v).view(num_tokens, -1), fp32(g), fp32(beta),
+        fp32(grad_o).view(num_tokens, -1),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         chunk_offsets.to(device=device, dtype=torch.int32),
         bwd_chunk_masks(chunk_size).to(device),
         torch.eye(head_k_dim, device=device),
         fp32(chunk_states),
         _augmented(grad_final_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
-        *outputs,
+        *(t.view(num_tokens, -1) if t.dim() == 3 else t for t in outputs[:5]), outputs[5],
     ]
     if on_device:
         kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
@@ -373,16 +374,16 @@ def build_bwd_for_cost_model(
         num_seqs=num_seqs, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
         chunk_size=chunk_size, scale=head_k_dim ** -0.5, **kernel_options)
     args = [
-        randn(num_tokens, heads, head_k_dim), randn(num_tokens, heads, head_k_dim),
-        randn(num_tokens, v_heads, head_v_dim),
+        randn(num_tokens, heads * head_k_dim), randn(num_tokens, heads * head_k_dim),
+        randn(num_tokens, v_heads * head_v_dim),
         torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads)),
-        randn(num_tokens, v_heads, head_v_dim),
+        randn(num_tokens, v_heads * head_v_dim),
         cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size), torch.eye(head_k_dim),
         0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
         _augmented(randn(*state_shape) if has_initial_state else None, num_seqs, v_heads, head_k_dim, head_v_dim,
                    torch.device("cpu")),
-        torch.zeros(num_tokens, v_heads, head_k_dim), torch.zeros(num_tokens, v_heads, head_k_dim),
-        torch.zeros(num_tokens, v_heads, head_v_dim), torch.zeros(num_tokens, v_heads),
+        torch.zeros(num_tokens, v_heads * head_k_dim), torch.zeros(num_tokens, v_heads * head_k_dim),
+        torch.zeros(num_tokens, v_heads * head_v_dim), torch.zeros(num_tokens, v_heads),
         torch.zeros(num_tokens, v_heads), torch.zeros(state_shape),
     ]
     return kernel, args

@@ -7,13 +7,13 @@ Kernel arguments, in order:
 ================  =======================  ================================================
 name              shape                    meaning
 ================  =======================  ================================================
-q, k              ``[T, H, K]`` fp32       queries, keys as the recurrence reads them
+q, k              ``[T, H * K]`` fp32      queries, keys as the recurrence reads them
                                            (already l2-normalised when the call asks for it;
                                            the host applies the l2norm backward)
-v                 ``[T, HV, V]`` fp32      values
+v                 ``[T, HV * V]`` fp32     values
 g                 ``[T, HV]`` fp32         raw per-token log decay
 beta              ``[T, HV]`` fp32         delta-rule write strength
-grad_o            ``[T, HV, V]`` fp32      gradient on the output
+grad_o            ``[T, HV * V]`` fp32     gradient on the output
 act_seq_len       ``[N + 1]`` int32        cumulative sequence offsets, last one == T
 chunk_offsets     ``[N + 1]`` int32        exclusive cumsum of ``ceil(len_n / l)``
 chunk_masks       ``[M, l, l]`` fp32       constant masks, see :func:`bwd_chunk_masks`
@@ -23,12 +23,16 @@ chunk_states      ``[C, HV, K, V]`` fp32   the state ENTERING every chunk, key-f
 grad_state_in     ``[N, HV, K + V, V]``    ``[dS_final; I]``: the gradient on the final
                   fp32                     state (zeros when there is none) over the
                                            V x V identity
-dq, dk            ``[T, HV, K]`` fp32      gradients w.r.t. q, k per VALUE head (the host
+dq, dk            ``[T, HV * K]`` fp32     gradients w.r.t. q, k per VALUE head (the host
                                            sums each group of HV / H value heads)
-dv                ``[T, HV, V]`` fp32
+dv                ``[T, HV * V]`` fp32
 dg, dbeta         ``[T, HV]`` fp32
 grad_state_out    ``[N, HV, K, V]`` fp32   gradient w.r.t. the initial state
 ================  =======================  ================================================
+
+The head-major tensors are passed flattened to 2-D (``[T, H, K]`` viewed as ``[T, H * K]``),
+so a chunk's tile is a plain 2-D view: a 3-D view would need a reshape, a pure-copy task
+per tensor and chunk.
 
 The (sequence, value head) pairs are one flat loop; inside, the chunks are walked in
 reverse (loop index i, chunk ``c = n_chunks - 1 - i``), carrying ``dS``, the gradient
@@ -292,21 +296,21 @@ def build_gdr_bwd_kernel(
 
     @pypto.frontend.jit(**jit_options)
     def gdr_bwd_kernel(
-        q: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
-        k: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
-        v: pypto.Tensor([tokens, num_v_heads, dv], fp32),
+        q: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
+        k: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
+        v: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         g: pypto.Tensor([tokens, num_v_heads], fp32),
         beta: pypto.Tensor([tokens, num_v_heads], fp32),
-        grad_o: pypto.Tensor([tokens, num_v_heads, dv], fp32),
+        grad_o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         masks: pypto.Tensor([n_masks, l, l], fp32),
         eye: pypto.Tensor([dk, dk], fp32),
         chunk_states: pypto.Tensor([chunks_total, num_v_heads, dk, dv], fp32),
         grad_state_in: pypto.Tensor(d_state_shape, fp32),
-        dq_out: pypto.Tensor([tokens, num_v_heads, dk], fp32),
-        dk_out: pypto.Tensor([tokens, num_v_heads, dk], fp32),
-        dv_out: pypto.Tensor([tokens, num_v_heads, dv], fp32),
+        dq_out: pypto.Tensor([tokens, num_v_heads * dk], fp32),
+        dk_out: pypto.Tensor([tokens, num_v_heads * dk], fp32),
+        dv_out: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         dg_out: pypto.Tensor([tokens, num_v_heads], fp32),
         dbeta_out: pypto.Tensor([tokens, num_v_heads], fp32),
         grad_state_out: pypto.Tensor([num_seqs, num_v_heads, dk, dv], fp32),
@@ -341,20 +345,12 @@ def build_gdr_bwd_kernel(
                 pypto.set_vec_tile_shapes(1, 1, rows_v, 128)
                 state = pypto.reshape(
                     pypto.view(chunk_states, [1, 1, dk, dv], [first_chunk_row + chunk, head, 0, 0]), [dk, dv])
-                pypto.set_vec_tile_shapes(rows_v, 1, 128)
-                q_c = pypto.reshape(
-                    pypto.view(q, [l, 1, dk], [start, qk_head, 0], valid_shape=[rows, 1, dk]), [l, dk],
-                    valid_shape=[rows, dk])
-                k_c = pypto.reshape(
-                    pypto.view(k, [l, 1, dk], [start, qk_head, 0], valid_shape=[rows, 1, dk]), [l, dk],
-                    valid_shape=[rows, dk])
-                v_c = pypto.reshape(
-                    pypto.view(v, [l, 1, dv], [start, head, 0], valid_shape=[rows, 1, dv]), [l, dv],
-                    valid_shape=[rows, dv])
-                do_c = pypto.reshape(
-                    pypto.view(grad_o, [l, 1, dv], [start, head, 0], valid_shape=[rows, 1, dv]), [l, dv],
-                    valid_shape=[rows, dv])
                 pypto.set_vec_tile_shapes(rows_v, 128)
+                # 2-D views of the token-major inputs: no reshape, so no pure-copy task.
+                q_c = pypto.view(q, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
+                k_c = pypto.view(k, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
+                v_c = pypto.view(v, [l, dv], [start, head * dv], valid_shape=[rows, dv])
+                do_c = pypto.view(grad_o, [l, dv], [start, head * dv], valid_shape=[rows, dv])
                 g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
                 beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
                 if pypto.is_loop_begin(step):  # the sequence's last chunk: possibly a partial tail
@@ -368,11 +364,9 @@ def build_gdr_bwd_kernel(
                         q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
                     d_state[0:dk, 0:dv] = d_state_in
-                    pypto.set_vec_tile_shapes(rows_v, 1, 128)
-                    pypto.assemble(pypto.reshape(dq_c, [l, 1, dk], valid_shape=[rows, 1, dk]), [start, head, 0], dq_out)
-                    pypto.assemble(pypto.reshape(dk_c, [l, 1, dk], valid_shape=[rows, 1, dk]), [start, head, 0], dk_out)
-                    pypto.assemble(pypto.reshape(dv_c, [l, 1, dv], valid_shape=[rows, 1, dv]), [start, head, 0], dv_out)
-                    pypto.set_vec_tile_shapes(rows_v, 128)
+                    pypto.assemble(pypto.view(dq_c, [l, dk], [0, 0], valid_shape=[rows, dk]), [start, head * dk], dq_out)
+                    pypto.assemble(pypto.view(dk_c, [l, dk], [0, 0], valid_shape=[rows, dk]), [start, head * dk], dk_out)
+                    pypto.assemble(pypto.view(dv_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], dv_out)
                     pypto.assemble(pypto.view(dg_c, [l, 1], [0, 0], valid_shape=[rows, 1]), [start, head], dg_out)
                     pypto.assemble(pypto.view(dbeta_c, [l, 1], [0, 0], valid_shape=[rows, 1]), [start, head],
                                    dbeta_out)
@@ -381,11 +375,9 @@ def build_gdr_bwd_kernel(
                         q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
                         scale=scale, chunk_size=l, head_k_dim=dk)
                     d_state[0:dk, 0:dv] = d_state_in
-                    pypto.set_vec_tile_shapes(rows_v, 1, 128)
-                    pypto.assemble(pypto.reshape(dq_c, [l, 1, dk]), [start, head, 0], dq_out)
-                    pypto.assemble(pypto.reshape(dk_c, [l, 1, dk]), [start, head, 0], dk_out)
-                    pypto.assemble(pypto.reshape(dv_c, [l, 1, dv]), [start, head, 0], dv_out)
-                    pypto.set_vec_tile_shapes(rows_v, 128)
+                    pypto.assemble(dq_c, [start, head * dk], dq_out)
+                    pypto.assemble(dk_c, [start, head * dk], dk_out)
+                    pypto.assemble(dv_c, [start, head * dv], dv_out)
                     pypto.assemble(dg_c, [start, head], dg_out)
                     pypto.assemble(dbeta_c, [start, head], dbeta_out)
             pypto.set_vec_tile_shapes(rows_v, 128)

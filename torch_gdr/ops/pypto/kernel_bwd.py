@@ -83,12 +83,13 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
 SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Size of the diagonal blocks inverted directly before the pairwise merges.
 BASE_BLOCK = 16
-#: pypto's stitch limit: how many loop-body functions one submission holds. Every chunk of
-#: every (sequence, head) pair is one function; the chunks beyond the limit go into a later
-#: submission whose chunk-parallel work only starts when the first one drains, so the limit
-#: is set above the chunk count of the usual calls (HV x T / l). Like the forward's
-#: setting, it needs more device workspace and has not run on hardware.
-DEFAULT_STITCH_FUNCTION_MAX_NUM = 256
+#: pypto's stitch limit: how many loop-body functions one submission holds (every chunk of
+#: every (sequence, head) pair is one). Chunks beyond the limit go into a later submission
+#: whose chunk-parallel work only starts when the first one drains, so a larger limit helps
+#: long sequences; but pypto 0.2.0's SIM mode crashes (segfault) with larger limits on
+#: calls with many (sequence, head) pairs, so the default is the forward's, 128. Like the
+#: forward's setting, it has not run on hardware.
+DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 #: Cube tile edge: 128 x 128 tiles (the largest an Ascend 910B cube takes in fp32 with
 #: double buffering), so a chunk's l x l matmul is one task.
 CUBE_TILE = 128

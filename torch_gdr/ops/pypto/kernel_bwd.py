@@ -34,10 +34,13 @@ The head-major tensors are passed flattened to 2-D (``[T, H, K]`` viewed as ``[T
 so a chunk's tile is a plain 2-D view: a 3-D view would need a reshape, a pure-copy task
 per tensor and chunk.
 
-The (sequence, value head) pairs are one flat loop; inside, the chunks are walked in
-reverse (loop index i, chunk ``c = n_chunks - 1 - i``), carrying ``dS``, the gradient
-w.r.t. the state leaving the chunk, from the final-state gradient down to the initial
-state's. Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
+The sequences are the outer loop; inside, the chunks are walked in reverse (loop index i,
+chunk ``c = n_chunks - 1 - i``), and every loop body handles all value heads of its chunk
+(unrolled at trace time; their tasks are independent and overlap), each carrying its
+``dS``, the gradient w.r.t. the state leaving the chunk, from the final-state gradient
+down to the initial state's. One body per chunk rather than per (chunk, head) keeps a
+long call within one stitch (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` bodies): bodies beyond
+it go into a later submission, whose parallel work only starts when the first drains. Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
 forward's quantities recomputed (the notation of :mod:`torch_gdr.ref.chunk_backward`,
 where the whole derivation is)::
 
@@ -83,12 +86,9 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
 SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Size of the diagonal blocks inverted directly before the pairwise merges.
 BASE_BLOCK = 16
-#: pypto's stitch limit: how many loop-body functions one submission holds (every chunk of
-#: every (sequence, head) pair is one). Chunks beyond the limit go into a later submission
-#: whose chunk-parallel work only starts when the first one drains, so a larger limit helps
-#: long sequences; but pypto 0.2.0's SIM mode crashes (segfault) with larger limits on
-#: calls with many (sequence, head) pairs, so the default is the forward's, 128. Like the
-#: forward's setting, it has not run on hardware.
+#: pypto's stitch limit: how many loop bodies (one per chunk of a sequence) one submission
+#: holds. pypto 0.2.0's SIM mode crashes (segfault) with larger limits on calls that need
+#: more than one submission, so it is the forward's. Not run on hardware.
 DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 #: Cube tile edge: 128 x 128 tiles (the largest an Ascend 910B cube takes in fp32 with
 #: double buffering), so a chunk's l x l matmul is one task.
@@ -239,6 +239,45 @@ def _chunk_backward(
     return dq, dk, dv, dg, dbeta, d_state_in
 
 
+def _head_chunk(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, grad_o: Any, chunk_states: Any, d_state: Any, masks: Any, eye: Any,
+    dq_out: Any, dk_out: Any, dv_out: Any, dg_out: Any, dbeta_out: Any, head: int, qk_head: int, start: Any,
+    rows: Any, state_row: Any, tail: bool, scale: float, l: int, dk: int, dv: int, num_v_heads: int,  # noqa: E741
+    rows_v: int,
+) -> None:
+    """One chunk of one value head: read its tiles (zero-filled past ``rows`` when ``tail``),
+    run :func:`_chunk_backward`, update the carried ``d_state [K + V, V]`` and write the
+    chunk's gradients (only the valid rows when ``tail``)."""
+    pypto = import_pypto()
+    pypto.set_vec_tile_shapes(1, 1, rows_v, 128)
+    state = pypto.reshape(pypto.view(chunk_states, [1, 1, dk, dv], [state_row, head, 0, 0]), [dk, dv])
+    pypto.set_vec_tile_shapes(rows_v, 128)
+    # 2-D views of the token-major inputs: no reshape, so no pure-copy task.
+    q_c = pypto.view(q, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
+    k_c = pypto.view(k, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
+    v_c = pypto.view(v, [l, dv], [start, head * dv], valid_shape=[rows, dv])
+    do_c = pypto.view(grad_o, [l, dv], [start, head * dv], valid_shape=[rows, dv])
+    g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
+    beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
+    if tail:
+        q_c, k_c, v_c, do_c, g_c, beta_c = (
+            pypto.fillpad(t, "constant", 0.0) for t in (q_c, k_c, v_c, do_c, g_c, beta_c))
+    dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
+        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, masks, eye, scale=scale, chunk_size=l, head_k_dim=dk)
+    d_state[0:dk, 0:dv] = d_state_in
+    if tail:
+        dq_c = pypto.view(dq_c, [l, dk], [0, 0], valid_shape=[rows, dk])
+        dk_c = pypto.view(dk_c, [l, dk], [0, 0], valid_shape=[rows, dk])
+        dv_c = pypto.view(dv_c, [l, dv], [0, 0], valid_shape=[rows, dv])
+        dg_c = pypto.view(dg_c, [l, 1], [0, 0], valid_shape=[rows, 1])
+        dbeta_c = pypto.view(dbeta_c, [l, 1], [0, 0], valid_shape=[rows, 1])
+    pypto.assemble(dq_c, [start, head * dk], dq_out)
+    pypto.assemble(dk_c, [start, head * dk], dk_out)
+    pypto.assemble(dv_c, [start, head * dv], dv_out)
+    pypto.assemble(dg_c, [start, head], dg_out)
+    pypto.assemble(dbeta_c, [start, head], dbeta_out)
+
+
 def _set_pass_options(options: dict | None) -> None:
     """``pypto.set_pass_options(**options)`` inside a jit body (which cannot branch on a dict)."""
     if options:
@@ -284,7 +323,6 @@ def build_gdr_bwd_kernel(
     tokens = pypto.DYNAMIC
     chunks_total = pypto.DYNAMIC
     group = num_v_heads // num_qk_heads
-    num_pairs = num_seqs * num_v_heads
     n_masks = 4 + num_merge_levels(chunk_size)
     d_state_shape = [num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim]
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
@@ -325,64 +363,37 @@ def build_gdr_bwd_kernel(
         pypto.set_vec_tile_shapes(rows_v, 128)
         eye_k = pypto.view(eye, [dk, dk], [0, 0])
 
-        for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // num_v_heads
-            head = pair % num_v_heads
-            qk_head = head // group
+        for seq in pypto.loop(num_seqs, name="LOOP_SEQ", idx_name="seq", parallel=True):
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             first_chunk_row = chunk_offsets[seq]
             n_chunks = (seq_len + l - 1) // l
             pypto.set_vec_tile_shapes(rows_v, 128)
-            # "+ 0.0" makes a copy: d_state is updated in place below.
-            d_state = pypto.reshape(
-                pypto.view(grad_state_in, [1, 1, dk + dv, dv], [seq, head, 0, 0]), [dk + dv, dv]
-            ) + 0.0
+            # One carried [dS; I] per value head; "+ 0.0" makes a copy, updated in place below.
+            d_states = []
+            for head in range(num_v_heads):  # unrolled at trace time
+                d_states.append(pypto.reshape(
+                    pypto.view(grad_state_in, [1, 1, dk + dv, dv], [seq, head, 0, 0]), [dk + dv, dv]) + 0.0)
 
             for step in pypto.loop(n_chunks, name="LOOP_CHUNK_REVERSED", idx_name="step"):
                 chunk = n_chunks - 1 - step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                pypto.set_vec_tile_shapes(1, 1, rows_v, 128)
-                state = pypto.reshape(
-                    pypto.view(chunk_states, [1, 1, dk, dv], [first_chunk_row + chunk, head, 0, 0]), [dk, dv])
-                pypto.set_vec_tile_shapes(rows_v, 128)
-                # 2-D views of the token-major inputs: no reshape, so no pure-copy task.
-                q_c = pypto.view(q, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
-                k_c = pypto.view(k, [l, dk], [start, qk_head * dk], valid_shape=[rows, dk])
-                v_c = pypto.view(v, [l, dv], [start, head * dv], valid_shape=[rows, dv])
-                do_c = pypto.view(grad_o, [l, dv], [start, head * dv], valid_shape=[rows, dv])
-                g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
-                beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
                 if pypto.is_loop_begin(step):  # the sequence's last chunk: possibly a partial tail
-                    q_c = pypto.fillpad(q_c, "constant", 0.0)
-                    k_c = pypto.fillpad(k_c, "constant", 0.0)
-                    v_c = pypto.fillpad(v_c, "constant", 0.0)
-                    do_c = pypto.fillpad(do_c, "constant", 0.0)
-                    g_c = pypto.fillpad(g_c, "constant", 0.0)
-                    beta_c = pypto.fillpad(beta_c, "constant", 0.0)
-                    dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
-                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
-                        scale=scale, chunk_size=l, head_k_dim=dk)
-                    d_state[0:dk, 0:dv] = d_state_in
-                    pypto.assemble(pypto.view(dq_c, [l, dk], [0, 0], valid_shape=[rows, dk]), [start, head * dk], dq_out)
-                    pypto.assemble(pypto.view(dk_c, [l, dk], [0, 0], valid_shape=[rows, dk]), [start, head * dk], dk_out)
-                    pypto.assemble(pypto.view(dv_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], dv_out)
-                    pypto.assemble(pypto.view(dg_c, [l, 1], [0, 0], valid_shape=[rows, 1]), [start, head], dg_out)
-                    pypto.assemble(pypto.view(dbeta_c, [l, 1], [0, 0], valid_shape=[rows, 1]), [start, head],
-                                   dbeta_out)
+                    for head in range(num_v_heads):  # unrolled at trace time
+                        _head_chunk(
+                            q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
+                            dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
+                            first_chunk_row + chunk, True, scale, l, dk, dv, num_v_heads, rows_v)
                 else:
-                    dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
-                        q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, mask_tiles, eye_k,
-                        scale=scale, chunk_size=l, head_k_dim=dk)
-                    d_state[0:dk, 0:dv] = d_state_in
-                    pypto.assemble(dq_c, [start, head * dk], dq_out)
-                    pypto.assemble(dk_c, [start, head * dk], dk_out)
-                    pypto.assemble(dv_c, [start, head * dv], dv_out)
-                    pypto.assemble(dg_c, [start, head], dg_out)
-                    pypto.assemble(dbeta_c, [start, head], dbeta_out)
+                    for head in range(num_v_heads):
+                        _head_chunk(
+                            q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
+                            dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
+                            first_chunk_row + chunk, False, scale, l, dk, dv, num_v_heads, rows_v)
             pypto.set_vec_tile_shapes(rows_v, 128)
-            d_state_final = pypto.view(d_state, [dk, dv], [0, 0])
-            pypto.assemble(pypto.reshape(d_state_final, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
+            for head in range(num_v_heads):
+                d_state_final = pypto.view(d_states[head], [dk, dv], [0, 0])
+                pypto.assemble(pypto.reshape(d_state_final, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
 
     return gdr_bwd_kernel

@@ -40,7 +40,9 @@ chunk ``c = n_chunks - 1 - i``), and every loop body handles all value heads of 
 ``dS``, the gradient w.r.t. the state leaving the chunk, from the final-state gradient
 down to the initial state's. One body per chunk rather than per (chunk, head) keeps a
 long call within one stitch (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` bodies): bodies beyond
-it go into a later submission, whose parallel work only starts when the first drains. Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
+it go into a later submission, whose parallel work only starts when the first drains.
+
+Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
 forward's quantities recomputed (the notation of :mod:`torch_gdr.ref.chunk_backward`,
 where the whole derivation is)::
 

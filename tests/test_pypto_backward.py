@@ -128,12 +128,19 @@ def test_gradients_match_autograd_through_the_recurrence(case: Case) -> None:
     assert_grads_close(got, reference_grads(x, scale=scale, use_qk_l2norm=case.use_qk_l2norm))
 
 
+SLOW_CASES = {
+    "l128_K128_V128_gva_1to2_long": Case([300, 130], 128, num_qk_heads=1, num_v_heads=2, head_k_dim=128,
+                                         head_v_dim=128, with_initial_state=True),
+    "l64_K128_V64_gva_1to2": Case([90, 40], 64, num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=64,
+                                  with_initial_state=True),
+}
+
+
 @pytest.mark.slow
-def test_chunk_128_K128_V128_gva_long_sequences() -> None:
-    case = Case([300, 130], 128, num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=128,
-                with_initial_state=True)
+@pytest.mark.parametrize("case", list(SLOW_CASES.values()), ids=list(SLOW_CASES))
+def test_larger_cases_match_autograd_through_the_recurrence(case: Case) -> None:
     x = make_inputs(case)
-    scale = 128 ** -0.5
+    scale = case.head_k_dim ** -0.5
     assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))
 
 

@@ -1,0 +1,233 @@
+"""The PyPTO backward kernel, run through PyPTO's CPU interpreter, against autograd through
+the float64 recurrence.
+
+Loss ``sum(o * grad_o) + sum(final_state * grad_final_state)``; tolerance, elementwise on
+every gradient for fp32 inputs: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_gdr.ops.pypto import is_pypto_available
+
+if not is_pypto_available():
+    pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
+
+from torch_gdr.ops.pypto import backward as pypto_backward  # noqa: E402
+from torch_gdr.ops.pypto.backward import (  # noqa: E402
+    chunk_offsets_for,
+    chunk_states_torch,
+    pypto_chunk_gated_delta_rule_bwd,
+)
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
+from torch_gdr.ref.utils import l2norm  # noqa: E402
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+
+
+@dataclass
+class Case:
+    lens: list[int]
+    chunk_size: int
+    num_qk_heads: int = 1
+    num_v_heads: int = 1
+    head_k_dim: int = 64
+    head_v_dim: int = 64
+    with_initial_state: bool = False
+    use_qk_l2norm: bool = True
+    scale: Optional[float] = None
+    gate: Optional[float] = None  # a constant g instead of logsigmoid(randn)
+    seed: int = 0
+
+
+def make_inputs(case: Case, dtype: torch.dtype = torch.float32) -> dict:
+    """Packed TND inputs, realistic gates, a random grad_o, and a random final-state gradient
+    whenever there is an initial state (a training step that carries a state)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    num_tokens, num_seqs = sum(case.lens), len(case.lens)
+    h, hv, dk, dv = case.num_qk_heads, case.num_v_heads, case.head_k_dim, case.head_v_dim
+    q, k = torch.randn(num_tokens, h, dk, generator=gen), torch.randn(num_tokens, h, dk, generator=gen)
+    if not case.use_qk_l2norm:  # without the in-kernel norm, unnormalised keys make the state blow up
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(num_tokens, hv, dv, generator=gen)
+    g = F.logsigmoid(torch.randn(num_tokens, hv, generator=gen))
+    if case.gate is not None:
+        g = torch.full_like(g, case.gate)
+    beta = torch.sigmoid(torch.randn(num_tokens, hv, generator=gen))
+    grad_o = torch.randn(num_tokens, hv, dv, generator=gen)
+    state_shape = (num_seqs, hv, dk, dv)
+    initial_state = 0.5 * torch.randn(*state_shape, generator=gen) if case.with_initial_state else None
+    grad_final_state = torch.randn(*state_shape, generator=gen) if case.with_initial_state else None
+    cu_seqlens = torch.tensor([0, *torch.tensor(case.lens).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, grad_o=grad_o)
+    inputs = {name: t.to(dtype) for name, t in inputs.items()}
+    return dict(inputs, cu_seqlens=cu_seqlens, initial_state=initial_state, grad_final_state=grad_final_state)
+
+
+def reference_grads(x: dict, *, scale: float, use_qk_l2norm: bool) -> list[Optional[torch.Tensor]]:
+    """Autograd through the float64 per-token recurrence (on the inputs as given, so bf16
+    inputs are compared on their rounded values)."""
+    leaves = [x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    initial = x["initial_state"]
+    initial = None if initial is None else initial.double().requires_grad_()
+    o, final_state = naive_recurrent_gated_delta_rule(
+        *(t.unsqueeze(0) for t in leaves), scale=scale, initial_state=initial, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=x["cu_seqlens"].long())
+    loss = (o[0] * x["grad_o"].double()).sum()
+    if x["grad_final_state"] is not None:
+        loss = loss + (final_state * x["grad_final_state"].double()).sum()
+    wrt = leaves + ([initial] if initial is not None else [])
+    grads = list(torch.autograd.grad(loss, wrt))
+    return grads + ([] if initial is not None else [None])
+
+
+def kernel_grads(x: dict, case: Case, *, scale: float, chunk_states: Optional[torch.Tensor] = None) -> tuple:
+    return pypto_chunk_gated_delta_rule_bwd(
+        x["grad_o"], x["grad_final_state"], *(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
+        x["initial_state"], chunk_states, scale=scale, use_qk_l2norm_in_kernel=case.use_qk_l2norm,
+        chunk_size=case.chunk_size)
+
+
+def assert_grads_close(got: tuple, want: list, *, rtol: float = 1e-3, atol: float = 1e-4) -> None:
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        if b is None:
+            assert a is None, f"{name}: expected None (no initial state), got a tensor"
+            continue
+        assert a.shape == b.shape, f"{name}: shape {list(a.shape)}, expected {list(b.shape)}"
+        err = (a.double() - b).abs()
+        bad = int((err > rtol * b.abs() + atol).sum())
+        assert bad == 0, f"{name}: {bad}/{b.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+
+
+CASES = {
+    "aligned_T128_l64": Case([128], 64),
+    "unaligned_T130_l64": Case([130], 64),
+    "varlen_100_17_0_70_gva_2to4_initial_state": Case(
+        [100, 17, 0, 70], 64, num_qk_heads=2, num_v_heads=4, with_initial_state=True),
+    "l2norm_off_K128_V128_l32": Case(
+        [70, 33], 32, head_k_dim=128, head_v_dim=128, with_initial_state=True, use_qk_l2norm=False, scale=0.7),
+    "K64_V128": Case([90], 64, head_k_dim=64, head_v_dim=128, with_initial_state=True),
+    "no_decay_g0": Case([70], 32, with_initial_state=True, gate=0.0),
+    "strong_decay_g-30": Case([70], 32, with_initial_state=True, gate=-30.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_gradients_match_autograd_through_the_recurrence(case: Case) -> None:
+    x = make_inputs(case)
+    scale = case.head_k_dim ** -0.5 if case.scale is None else case.scale
+    got = kernel_grads(x, case, scale=scale)
+    for grad, name in zip(got[:5], ("q", "k", "v", "g", "beta")):
+        assert grad.dtype == torch.float32 and grad.shape == x[name].shape
+    assert_grads_close(got, reference_grads(x, scale=scale, use_qk_l2norm=case.use_qk_l2norm))
+
+
+SLOW_CASES = {
+    "l128_K128_V128_gva_1to2_long": Case([300, 130], 128, num_qk_heads=1, num_v_heads=2, head_k_dim=128,
+                                         head_v_dim=128, with_initial_state=True),
+    "l64_K128_V64_gva_1to2": Case([90, 40], 64, num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=64,
+                                  with_initial_state=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES.values()), ids=list(SLOW_CASES))
+def test_larger_cases_match_autograd_through_the_recurrence(case: Case) -> None:
+    x = make_inputs(case)
+    scale = case.head_k_dim ** -0.5
+    assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))
+
+
+def test_bf16_inputs_give_bf16_gradients_close_to_the_recurrence() -> None:
+    """bf16 inputs are computed in fp32; the gradients come back in bf16 (rounded: 2^-8)."""
+    case = Case([70], 64, with_initial_state=True)
+    x = make_inputs(case, dtype=torch.bfloat16)
+    got = kernel_grads(x, case, scale=0.125)
+    assert [t.dtype for t in got] == [torch.bfloat16] * 5 + [torch.float32]
+    assert_grads_close(got, reference_grads(x, scale=0.125, use_qk_l2norm=True), rtol=1e-2, atol=1e-3)
+
+
+def test_given_chunk_states_are_read_not_recomputed(monkeypatch) -> None:
+    """With chunk_states passed in, the host computes none, and the kernel uses the ones given."""
+    case = Case([40, 20], 32, with_initial_state=True)
+    x = make_inputs(case)
+    k_norm = l2norm(x["k"])
+    states = chunk_states_torch(k_norm, x["v"], x["g"], x["beta"], x["cu_seqlens"], x["initial_state"], 32)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("chunk states were recomputed although given")
+
+    monkeypatch.setattr(pypto_backward, "chunk_states_torch", refuse)
+    assert_grads_close(kernel_grads(x, case, scale=0.125, chunk_states=states),
+                       reference_grads(x, scale=0.125, use_qk_l2norm=True))
+
+
+def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
+    """The backward kernel is cached under its own key (kind "bwd"), reused, and counted."""
+    pypto_backward.bwd_cache_clear()
+    case = Case([40], 32)
+    x = make_inputs(case)
+    kernel_grads(x, case, scale=0.125)
+    x2 = make_inputs(Case([20], 32, seed=1))
+    kernel_grads(x2, case, scale=0.125)  # same configuration (T is dynamic): a cache hit
+    info = pypto_backward.bwd_cache_info()
+    assert info.misses == 1 and info.hits == 1 and info.launches == 2
+    (key,) = info.keys
+    assert key.kind == "bwd" and key.num_seqs == 1 and key.chunk_size == 32
+    assert pypto_backward.launch_count() == 2
+    pypto_backward.bwd_cache_clear()
+    assert pypto_backward.bwd_cache_info() == pypto_backward.BwdCacheInfo(0, 0, (), 0)
+
+
+def test_all_sequences_empty_pass_the_final_state_gradient_through() -> None:
+    x = make_inputs(Case([0, 0], 64, with_initial_state=True))
+    launches = pypto_backward.launch_count()
+    got = kernel_grads(x, Case([0, 0], 64), scale=0.125)
+    assert all(t.numel() == 0 for t in got[:5])
+    assert torch.equal(got[5], x["grad_final_state"])
+    assert pypto_backward.launch_count() == launches
+
+
+@pytest.mark.parametrize(
+    ("lens", "chunk_size"), [([100, 17, 0, 70], 64), ([65], 32), ([0], 32), ([33, 0, 0, 129], 128)])
+def test_chunk_states_are_the_recurrence_states_at_chunk_boundaries(lens: list[int], chunk_size: int) -> None:
+    """Row chunk_offsets[n] + c holds the state after the first c * l tokens of sequence n."""
+    case = Case(lens, chunk_size, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=8,
+                with_initial_state=True)
+    x = make_inputs(case)
+    states = chunk_states_torch(l2norm(x["k"]), x["v"], x["g"], x["beta"], x["cu_seqlens"], x["initial_state"],
+                                chunk_size)
+    offsets = chunk_offsets_for(x["cu_seqlens"], chunk_size).tolist()
+    bounds = x["cu_seqlens"].tolist()
+    assert states.shape == (offsets[-1], 2, 16, 8) and states.dtype == torch.float32
+    for n, length in enumerate(lens):
+        assert offsets[n + 1] - offsets[n] == -(-length // chunk_size)
+        for c in range(offsets[n + 1] - offsets[n]):
+            span = slice(bounds[n], bounds[n] + c * chunk_size)
+            _, want = naive_recurrent_gated_delta_rule(
+                *(x[name][span].double().unsqueeze(0) for name in ("q", "k", "v", "g", "beta")),
+                initial_state=x["initial_state"][n:n + 1].double(), output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            torch.testing.assert_close(states[offsets[n] + c].double(), want[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("arg", "shape", "match"),
+    [("grad_o", (10, 1, 32), "grad_o"), ("grad_final_state", (1, 1, 64, 64), "grad_final_state"),
+     ("chunk_states", (2, 1, 64, 64), "chunk_states")])
+def test_bad_shapes_raise_naming_the_argument(arg: str, shape: tuple, match: str) -> None:
+    case = Case([40, 10], 32, with_initial_state=True)
+    x = make_inputs(case)
+    chunk_states = None
+    if arg == "chunk_states":
+        chunk_states = torch.zeros(shape)  # 40 and 10 tokens in chunks of 32: 3 chunks, not 2
+    else:
+        x[arg] = torch.zeros(shape)
+    with pytest.raises(ValueError, match=match):
+        kernel_grads(x, case, scale=0.125, chunk_states=chunk_states)

@@ -1,0 +1,389 @@
+"""Host side of the PyPTO backward: checks, the l2norm and GVA reductions, kernel launch.
+
+:func:`pypto_chunk_gated_delta_rule_bwd` is the entry point (token-major, like
+:func:`.forward.pypto_chunk_gated_delta_rule_fwd`). The kernel (:mod:`.kernel_bwd`) reads
+q and k as the recurrence sees them; around it the host
+
+* l2-normalises q and k when the call asks for it, and applies the l2norm backward
+  ``dx = r (dy - y (y . dy))`` (``y = x r``) to the kernel's gradients;
+* sums the kernel's per-value-head q/k gradients ``[T, HV, K]`` over each group of
+  ``HV / H`` value heads sharing a q/k head (GVA), before the l2norm backward;
+* converts fp16/bf16 inputs to fp32 for the kernel and the gradients back.
+
+The per-chunk states ``[C, HV, K, V]`` (fp32, key-first, the state entering each chunk;
+sequence n's chunk c at row ``chunk_offsets[n] + c``) come from the forward kernel; when
+the caller has none, :func:`chunk_states_torch` computes them in pure torch.
+
+Backward kernels have their own cache (:func:`get_gdr_bwd_kernel`, :func:`bwd_cache_info`,
+keys with ``kind == "bwd"``), and every launch is counted (:func:`launch_count`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from torch_gdr._validate import check_cu_seqlens_values, check_inputs
+from torch_gdr.ref.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
+
+from . import interpreter
+from .kernel_bwd import SUPPORTED_CHUNK_SIZES, build_gdr_bwd_kernel, bwd_chunk_masks
+
+Tensor = torch.Tensor
+
+#: ``kernel_getter(**config) -> kernel``; config holds the fields of :class:`BwdKernelKey`
+#: but ``kind``.
+KernelGetter = Callable[..., Any]
+
+# Positions of the outputs among the kernel's tensor arguments.
+_OUTPUT_ARGS = (12, 13, 14, 15, 16, 17)
+
+
+# --------------------------------------------------------------------------- kernel cache
+
+
+@dataclass(frozen=True)
+class BwdKernelKey:
+    """Everything a backward kernel is specialised on; ``kind`` tells it from forward keys."""
+
+    num_seqs: int
+    num_qk_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    chunk_size: int
+    scale: float
+    on_device: bool
+    kind: str = field(default="bwd")
+
+
+class BwdCacheInfo(NamedTuple):
+    """Backward-kernel cache statistics: lookups served, kernels built, keys held, launches."""
+
+    hits: int
+    misses: int
+    keys: tuple[BwdKernelKey, ...]
+    launches: int
+
+
+_lock = threading.Lock()
+_kernels: dict[BwdKernelKey, Any] = {}
+_hits = 0
+_misses = 0
+_launches = 0
+
+
+def get_gdr_bwd_kernel(*, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
+    """The backward kernel for ``config`` (fields of :class:`BwdKernelKey` but ``kind``), built once.
+
+    ``builder`` (default :func:`.kernel_bwd.build_gdr_bwd_kernel`) is called on a miss with
+    the same keyword arguments.
+    """
+    global _hits, _misses
+    key = BwdKernelKey(**config)
+    with _lock:
+        kernel = _kernels.get(key)
+        if kernel is not None:
+            _hits += 1
+            return kernel
+        build_args = asdict(key)
+        del build_args["kind"]
+        kernel = (builder or build_gdr_bwd_kernel)(**build_args)
+        _kernels[key] = kernel
+        _misses += 1
+        return kernel
+
+
+def bwd_cache_info() -> BwdCacheInfo:
+    """Hits, misses (= kernels built), the keys held, and the launches since the last clear."""
+    with _lock:
+        return BwdCacheInfo(hits=_hits, misses=_misses, keys=tuple(_kernels), launches=_launches)
+
+
+def bwd_cache_clear() -> None:
+    """Drop every cached backward kernel and reset the statistics (launches included)."""
+    global _hits, _misses, _launches
+    with _lock:
+        _kernels.clear()
+        _hits = _misses = _launches = 0
+
+
+def launch_count() -> int:
+    """How many times a backward kernel was launched (by any getter) since the last clear."""
+    with _lock:
+        return _launches
+
+
+def _count_launch() -> None:
+    global _launches
+    with _lock:
+        _launches += 1
+
+
+# --------------------------------------------------------------------------- chunk states
+
+
+def chunk_offsets_for(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
+    """``[N + 1]`` int64 on the CPU: exclusive cumsum of ``ceil(len_n / l)``, then the total."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to("cpu", torch.int64)
+    counts = (lens + chunk_size - 1) // chunk_size
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def chunk_states_torch(
+    k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, initial_state: Optional[Tensor],
+    chunk_size: int,
+) -> Tensor:
+    """The state entering every chunk, in pure torch (float32).
+
+    Args:
+        k: ``[T, H, K]`` keys as the recurrence reads them (already l2-normalised if the
+            call normalises); v ``[T, HV, V]``; g, beta ``[T, HV]``.
+        cu_seqlens: ``[N + 1]`` offsets. initial_state: ``[N, HV, K, V]`` key-first or None.
+        chunk_size: l.
+
+    Returns:
+        ``[C, HV, K, V]`` float32, key-first; sequence n's chunk c at row
+        ``chunk_offsets_for(cu_seqlens, l)[n] + c``.
+    """
+    dtype, device = torch.float32, v.device
+    num_v_heads, head_k_dim, head_v_dim = v.shape[1], k.shape[-1], v.shape[-1]
+    bounds = cu_seqlens.to("cpu", torch.int64).tolist()
+    offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    out = torch.empty(int(offsets[-1]), num_v_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
+    keys = repeat_kv_heads(k.to(dtype), num_v_heads).transpose(0, 1)  # [HV, T, K]
+    values = v.to(dtype).transpose(0, 1)  # [HV, T, V]
+    gates, betas = g.to(dtype).t(), beta.to(dtype).t()  # [HV, T]
+    for n in range(len(bounds) - 1):
+        state = (torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
+                 if initial_state is None else initial_state[n].to(dtype))
+        for c, start in enumerate(range(bounds[n], bounds[n + 1], chunk_size)):
+            out[int(offsets[n]) + c] = state
+            end = min(start + chunk_size, bounds[n + 1])
+            kc, vc, bc = keys[:, start:end], values[:, start:end], betas[:, start:end, None]
+            gamma = gates[:, start:end].cumsum(-1)
+            rows = end - start
+            lower = lower_mask(rows, device, dtype)
+            decay = ((gamma[:, :, None] - gamma[:, None, :]) * lower).exp() * lower
+            a = (bc * kc) @ kc.transpose(-1, -2) * decay * lower_mask(rows, device, dtype, strict=True)
+            eye = torch.eye(rows, dtype=dtype, device=device).expand_as(a)
+            t_inv = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+            u = t_inv @ (bc * vc)
+            w = t_inv @ (bc * gamma[..., None].exp() * kc)
+            v_new = u - w @ state
+            gamma_last = gamma[:, -1:]
+            k_out = (gamma_last - gamma).exp()[..., None] * kc
+            state = gamma_last.exp()[..., None] * state + k_out.transpose(-1, -2) @ v_new
+    return out
+
+
+# --------------------------------------------------------------------------- host entry
+
+
+def _default_kernel_getter() -> KernelGetter:
+    return get_gdr_bwd_kernel
+
+
+def _l2norm_with_rnorm(x: Tensor) -> tuple[Tensor, Tensor]:
+    rnorm = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    return x * rnorm, rnorm
+
+
+def _augmented(grad_final_state: Optional[Tensor], num_seqs: int, num_v_heads: int, head_k_dim: int,
+               head_v_dim: int, device: torch.device) -> Tensor:
+    """``[N, HV, K + V, V]`` fp32: the final-state gradient (or zeros) over the identity."""
+    aug = torch.zeros(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=device)
+    if grad_final_state is not None:
+        aug[:, :, :head_k_dim] = grad_final_state
+    aug[:, :, head_k_dim:] = torch.eye(head_v_dim, device=device)
+    return aug
+
+
+def _check_bwd_args(grad_o: Tensor, grad_final_state: Optional[Tensor], v: Tensor, num_seqs: int,
+                    head_k_dim: int, chunk_states: Optional[Tensor], num_chunks: int) -> None:
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    if list(grad_o.shape) != list(v.shape):
+        raise ValueError(f"grad_o: expected shape [T, HV, V] = {list(v.shape)} (as v), got {list(grad_o.shape)}")
+    state_shape = [num_seqs, num_v_heads, head_k_dim, head_v_dim]
+    if grad_final_state is not None and list(grad_final_state.shape) != state_shape:
+        raise ValueError(f"grad_final_state: expected shape [N, HV, K, V] = {state_shape}, "
+                         f"got {list(grad_final_state.shape)}")
+    if chunk_states is not None:
+        expected = [num_chunks, num_v_heads, head_k_dim, head_v_dim]
+        if list(chunk_states.shape) != expected:
+            raise ValueError(f"chunk_states: expected shape [C, HV, K, V] = {expected} (C = sum of ceil(len_n / "
+                             f"chunk_size)), got {list(chunk_states.shape)}")
+
+
+def pypto_chunk_gated_delta_rule_bwd(
+    grad_o: Tensor,
+    grad_final_state: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    initial_state: Optional[Tensor],
+    chunk_states: Optional[Tensor],
+    *,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    chunk_size: int,
+    kernel_getter: KernelGetter | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of the chunked gated delta rule through the PyPTO backward kernel.
+
+    Args:
+        grad_o: ``[T, HV, V]``, the gradient on o.
+        grad_final_state: ``[N, HV, K, V]`` key-first, or None (no gradient on the final state).
+        q, k: ``[T, H, K]``; v: ``[T, HV, V]``; g (raw log decay), beta: ``[T, HV]``; fp32,
+            fp16 or bf16 (computed in fp32).
+        cu_seqlens: ``[N + 1]`` integer offsets, ``cu_seqlens[-1] == T``.
+        initial_state: ``[N, HV, K, V]`` key-first, or None (zeros; then no gradient).
+        chunk_states: ``[C, HV, K, V]`` fp32 key-first, the state entering each chunk of
+            length ``chunk_size`` (as the forward kernel returns them), or None to compute
+            them here in pure torch.
+        scale: the factor on q. use_qk_l2norm_in_kernel: the forward l2-normalised q and k.
+        chunk_size: l, 32, 64 or 128, the chunk length of ``chunk_states``.
+        kernel_getter: returns the kernel for a configuration; defaults to
+            :func:`get_gdr_bwd_kernel`.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, d_initial_state)``, each in its input's shape and dtype;
+        ``d_initial_state`` is None when ``initial_state`` is None.
+    """
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first=False)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected the token-major shape [T, H, K], got {list(q.shape)}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: expected [N + 1] offsets for token-major input, got None")
+    check_cu_seqlens_values(cu_seqlens, q.shape[0])
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"chunk_size: the kernel has {list(SUPPORTED_CHUNK_SIZES)}, got {chunk_size}")
+    device = q.device
+    num_tokens, num_qk_heads, head_k_dim = q.shape
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    num_seqs = cu_seqlens.numel() - 1
+    chunk_offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    _check_bwd_args(grad_o, grad_final_state, v, num_seqs, head_k_dim, chunk_states, int(chunk_offsets[-1]))
+
+    def fp32(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=torch.float32).contiguous()
+
+    def d_initial_from(carry: Tensor) -> Optional[Tensor]:
+        return None if initial_state is None else carry.to(initial_state.dtype)
+
+    if num_tokens == 0:  # every sequence is empty: the state passes through unchanged
+        zeros = tuple(torch.zeros_like(t) for t in (q, k, v, g, beta))
+        carry = (torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device)
+                 if grad_final_state is None else grad_final_state)
+        return zeros + (d_initial_from(carry),)
+
+    q32, k32 = fp32(q), fp32(k)
+    if use_qk_l2norm_in_kernel:
+        q32, q_rnorm = _l2norm_with_rnorm(q32)
+        k32, k_rnorm = _l2norm_with_rnorm(k32)
+    if chunk_states is None:
+        chunk_states = chunk_states_torch(k32, v, g, beta, cu_seqlens, initial_state, chunk_size)
+
+    on_device = device.type == "npu"
+    getter = kernel_getter if kernel_getter is not None else _default_kernel_getter()
+    kernel = getter(
+        num_seqs=num_seqs,
+        num_qk_heads=num_qk_heads,
+        num_v_heads=num_v_heads,
+        head_k_dim=head_k_dim,
+        head_v_dim=head_v_dim,
+        chunk_size=chunk_size,
+        scale=float(scale),
+        on_device=on_device,
+    )
+    per_v_head_k = (num_tokens, num_v_heads, head_k_dim)
+    outputs = [
+        torch.zeros(per_v_head_k, device=device),  # dq per value head
+        torch.zeros(per_v_head_k, device=device),  # dk per value head
+        torch.zeros(num_tokens, num_v_heads, head_v_dim, device=device),
+        torch.zeros(num_tokens, num_v_heads, device=device),
+        torch.zeros(num_tokens, num_v_heads, device=device),
+        torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device),
+    ]
+    args = [
+        q32.view(num_tokens, -1), k32.view(num_tokens, -1), fp32(v).view(num_tokens, -1), fp32(g), fp32(beta),
+        fp32(grad_o).view(num_tokens, -1),
+        cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
+        chunk_offsets.to(device=device, dtype=torch.int32),
+        bwd_chunk_masks(chunk_size).to(device),
+        torch.eye(head_k_dim, device=device),
+        fp32(chunk_states),
+        _augmented(grad_final_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
+        *(t.view(num_tokens, -1) if t.dim() == 3 else t for t in outputs[:5]), outputs[5],
+    ]
+    if on_device:
+        kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
+    else:
+        if device.type != "cpu":
+            raise ValueError(f"the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
+        interpreter.run_kernel(kernel, args, list(_OUTPUT_ARGS))
+    _count_launch()
+    dq_heads, dk_heads, dv, dg, dbeta, d_initial = outputs
+
+    group = num_v_heads // num_qk_heads
+    dq = dq_heads.view(num_tokens, num_qk_heads, group, head_k_dim).sum(2)
+    dk = dk_heads.view(num_tokens, num_qk_heads, group, head_k_dim).sum(2)
+    if use_qk_l2norm_in_kernel:  # y = x r: dx = r (dy - y (y . dy))
+        dq = (dq - q32 * (q32 * dq).sum(-1, keepdim=True)) * q_rnorm
+        dk = (dk - k32 * (k32 * dk).sum(-1, keepdim=True)) * k_rnorm
+    grads = tuple(grad.to(x.dtype) for grad, x in ((dq, q), (dk, k), (dv, v), (dg, g), (dbeta, beta)))
+    return grads + (d_initial_from(d_initial),)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def build_bwd_for_cost_model(
+    lens: list[int], *, heads: int, v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int = 128,
+    has_initial_state: bool = True, seed: int = 0, **kernel_options: Any,
+) -> tuple[Any, list[Tensor]]:
+    """A backward kernel in stock SIM run mode and its arguments, for pypto's cost model.
+
+    Calling ``kernel(*args)`` (with PyPTO's output redirected, see
+    :func:`._env.redirected_output`) compiles the kernel and writes
+    ``CostModelSimulationOutput/_simulate.stat.report.txt``. The workload mirrors the
+    forward's cost-model run: random inputs for packed sequences of ``lens`` with a
+    gradient on the final state when ``has_initial_state`` (a training step that carries
+    a state). The cycle count does not depend on the values.
+
+    ``kernel_options`` go to :func:`.kernel_bwd.build_gdr_bwd_kernel` (``vec_rows``,
+    ``stitch_function_max_num``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_seqs = sum(lens), len(lens)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    state_shape = (num_seqs, v_heads, head_k_dim, head_v_dim)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    kernel = build_gdr_bwd_kernel(
+        num_seqs=num_seqs, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+        chunk_size=chunk_size, scale=head_k_dim ** -0.5, **kernel_options)
+    args = [
+        randn(num_tokens, heads * head_k_dim), randn(num_tokens, heads * head_k_dim),
+        randn(num_tokens, v_heads * head_v_dim),
+        torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads)),
+        randn(num_tokens, v_heads * head_v_dim),
+        cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size), torch.eye(head_k_dim),
+        0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
+        _augmented(randn(*state_shape) if has_initial_state else None, num_seqs, v_heads, head_k_dim, head_v_dim,
+                   torch.device("cpu")),
+        torch.zeros(num_tokens, v_heads * head_k_dim), torch.zeros(num_tokens, v_heads * head_k_dim),
+        torch.zeros(num_tokens, v_heads * head_v_dim), torch.zeros(num_tokens, v_heads),
+        torch.zeros(num_tokens, v_heads), torch.zeros(state_shape),
+    ]
+    return kernel, args

@@ -1,5 +1,5 @@
-"""The PyPTO backward kernel, run through PyPTO's CPU interpreter, against autograd through
-the float64 recurrence.
+"""The PyPTO backward kernel, run through PyPTO's CPU interpreter by the public call
+(``backend="pypto"``, autograd), against autograd through the float64 recurrence.
 
 Loss ``sum(o * grad_o) + sum(final_state * grad_final_state)``; tolerance, elementwise on
 every gradient for fp32 inputs: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
@@ -7,12 +7,15 @@ every gradient for fp32 inputs: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import torch_gdr
 
 from torch_gdr.ops.pypto import is_pypto_available
 
@@ -88,10 +91,30 @@ def reference_grads(x: dict, *, scale: float, use_qk_l2norm: bool) -> list[Optio
 
 
 def kernel_grads(x: dict, case: Case, *, scale: float, chunk_states: Optional[torch.Tensor] = None) -> tuple:
-    return pypto_chunk_gated_delta_rule_bwd(
-        x["grad_o"], x["grad_final_state"], *(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
-        x["initial_state"], chunk_states, scale=scale, use_qk_l2norm_in_kernel=case.use_qk_l2norm,
-        chunk_size=case.chunk_size)
+    """The kernel's gradients: through the public call (``backend="pypto"``, autograd) or,
+    given ``chunk_states``, through the host function that takes them."""
+    if chunk_states is not None:
+        return pypto_chunk_gated_delta_rule_bwd(
+            x["grad_o"], x["grad_final_state"], *(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
+            x["initial_state"], chunk_states, scale=scale, use_qk_l2norm_in_kernel=case.use_qk_l2norm,
+            chunk_size=case.chunk_size)
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    initial = x["initial_state"]
+    initial = None if initial is None else initial.detach().clone().requires_grad_()
+    launches = pypto_backward.launch_count()
+    o, final_state = torch_gdr.chunk_gated_delta_rule(
+        *leaves, scale=scale, initial_state=initial, output_final_state=True,
+        use_qk_l2norm_in_kernel=case.use_qk_l2norm, cu_seqlens=x["cu_seqlens"], chunk_size=case.chunk_size,
+        backend="pypto")
+    loss = (o * x["grad_o"]).sum()
+    if x["grad_final_state"] is not None:
+        loss = loss + (final_state * x["grad_final_state"]).sum()
+    wrt = leaves + ([initial] if initial is not None else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the pure-torch backward
+        grads = list(torch.autograd.grad(loss, wrt))
+    assert pypto_backward.launch_count() == launches + (1 if sum(case.lens) else 0), "the kernel did not run"
+    return tuple(grads) + (() if initial is not None else (None,))
 
 
 def assert_grads_close(got: tuple, want: list, *, rtol: float = 1e-3, atol: float = 1e-4) -> None:
@@ -229,5 +252,21 @@ def test_bad_shapes_raise_naming_the_argument(arg: str, shape: tuple, match: str
         chunk_states = torch.zeros(shape)  # 40 and 10 tokens in chunks of 32: 3 chunks, not 2
     else:
         x[arg] = torch.zeros(shape)
-    with pytest.raises(ValueError, match=match):
-        kernel_grads(x, case, scale=0.125, chunk_states=chunk_states)
+    with pytest.raises(ValueError, match=match):  # the host function's own checks
+        pypto_chunk_gated_delta_rule_bwd(
+            x["grad_o"], x["grad_final_state"], *(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
+            x["initial_state"], chunk_states, scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=32)
+
+
+def test_dispatch_lists_forward_and_backward_kernels_apart() -> None:
+    from torch_gdr import dispatch
+
+    dispatch.cache_clear()
+    case = Case([40], 32, with_initial_state=True)
+    kernel_grads(make_inputs(case), case, scale=0.125)
+    info = dispatch.cache_info()
+    assert (info.forward.misses, len(info.forward.keys)) == (1, 1)
+    assert (info.backward.misses, len(info.backward.keys), info.backward.launches) == (1, 1, 1)
+    assert all(key.kind == "bwd" for key in info.backward.keys)
+    dispatch.cache_clear()
+    assert dispatch.cache_info().forward.keys == () and dispatch.cache_info().backward.keys == ()

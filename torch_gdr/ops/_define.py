@@ -96,7 +96,14 @@ def _run_backward(backward: RawBackward, grad_o: Tensor, grad_final_state: Optio
     if chunk_states is not None and chunk_states.numel() == 0:
         chunk_states = None  # none were saved
     grads = backward(call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state), chunk_states)
+    inputs = [t for t in (grad_o, grad_final_state, q, k, v, g, beta, initial_state, chunk_states) if t is not None]
+    # an op's outputs may not alias its inputs (e.g. d_initial_state = grad_final_state when no token ran)
+    grads = [None if d is None else (d.clone() if any(_same_storage(d, t) for t in inputs) else d) for d in grads]
     return call.public_grads(*grads)
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
 
 
 def _fake_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,

@@ -27,11 +27,12 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from torch_gdr._validate import check_cu_seqlens_values, check_inputs
+from torch_gdr._validate import read_cu_seqlens, check_inputs
 from torch_gdr.ref.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 
 from . import interpreter
-from .kernel_bwd import SUPPORTED_CHUNK_SIZES, build_gdr_bwd_kernel, bwd_chunk_masks
+from .kernel_bwd import build_gdr_bwd_kernel, bwd_chunk_masks
+from .spec import CHUNK_SIZES
 
 Tensor = torch.Tensor
 
@@ -262,9 +263,32 @@ def pypto_chunk_gated_delta_rule_bwd(
         raise ValueError(f"q: expected the token-major shape [T, H, K], got {list(q.shape)}")
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: expected [N + 1] offsets for token-major input, got None")
-    check_cu_seqlens_values(cu_seqlens, q.shape[0])
-    if chunk_size not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(f"chunk_size: the kernel has {list(SUPPORTED_CHUNK_SIZES)}, got {chunk_size}")
+    read_cu_seqlens(cu_seqlens, q.shape[0])
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: the kernel has {list(CHUNK_SIZES)}, got {chunk_size}")
+    return launch_backward(grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, initial_state, chunk_states,
+                           scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+                           kernel_getter=kernel_getter)
+
+
+def launch_backward(
+    grad_o: Tensor,
+    grad_final_state: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    initial_state: Optional[Tensor],
+    chunk_states: Optional[Tensor],
+    *,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    chunk_size: int,
+    kernel_getter: KernelGetter | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """:func:`pypto_chunk_gated_delta_rule_bwd` on arguments its caller has checked (the op's)."""
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]

@@ -81,11 +81,9 @@ from typing import Any
 import torch
 
 from ._env import import_pypto
+from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES
+from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 
-#: Head dims the kernel is written and tested for.
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
-#: Chunk lengths the kernel supports.
-SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Size of the diagonal blocks inverted directly before the pairwise merges.
 BASE_BLOCK = 16
 #: pypto's stitch limit: how many loop bodies (one per chunk of a sequence) one submission

@@ -2,8 +2,9 @@
 
 ``gdr::_pypto_fwd`` runs the PyPTO forward kernel: on Ascend NPU tensors on the device, on
 CPU tensors through PyPTO's verify interpreter (a correctness check, not fast). Its backward
-op ``gdr::_pypto_bwd`` runs the pure-torch chunked backward on the same device (recomputing
-the chunk states). Both ops trust their arguments: the caller (the public call, through
+op ``gdr::_pypto_bwd`` runs the PyPTO backward kernel (:mod:`.kernel_bwd`), which walks the
+chunks in reverse from the state entering each chunk; where that kernel fails, the
+pure-torch backward on the same device, with one warning per reason. Both ops trust their arguments: the caller (the public call, through
 :mod:`torch_gdr.dispatch`) has checked them and checked that :func:`spec.unsupported_reason`
 is None.
 
@@ -26,6 +27,7 @@ from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 
 from . import spec
+from .backward import launch_backward
 from .forward import launch_forward
 
 Tensor = torch.Tensor
@@ -47,13 +49,39 @@ def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tenso
     return o.view(v.shape).to(v.dtype), final_state, None
 
 
-def _pure_torch_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
-                         chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-    """The kernel's states are not the pure-torch layout's: recompute them."""
+def _token_major(x: Tensor) -> Tensor:
+    return x.flatten(0, 1)
+
+
+def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
+                   chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """The PyPTO backward kernel on a call in the canonical layout (B equal-length sequences
+    packed as varlen, the kernel's chunk size as the forward's). Where it cannot serve the
+    call (a configuration the forward ran on, but a kernel that fails to build or run), the
+    pure-torch backward on the same device, with one warning per reason."""
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    batch_size, seq_len = q.shape[:2]
+    cu_seqlens = call.cu_seqlens
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch_size + 1, device=q.device) * seq_len
+    chunk_size = spec.pick_chunk_size(max(call.seq_lens, default=0), call.chunk_size)
+    reason = spec.unsupported_reason(q, v, call.chunk_size)
+    if reason is None:
+        try:
+            dq, dk, dv, dg, dbeta, d_initial = launch_backward(
+                _token_major(grad_o), grad_final_state, _token_major(q), _token_major(k), _token_major(v),
+                _token_major(g), _token_major(beta), cu_seqlens, call.initial_state, chunk_states, scale=call.scale,
+                use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
+            return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
+                    d_initial)
+        except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            reason = f"the backward kernel failed: {type(error).__name__}: {first_line}"
+    refuse_or_warn("pypto", reason, named=False)
     return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
 
 
-pypto_bwd = define_backward_op("gdr::_pypto_bwd", _pure_torch_backward)
+pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
 pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd)
 
 

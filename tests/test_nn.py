@@ -122,7 +122,39 @@ def test_cache_feeds_back_across_chunks() -> None:
         pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
         assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
     cache.reorder(torch.tensor([1]))
-    assert cache.get(0).recurrent_state.shape[0] == 1 and cache.get(0).conv_state.shape[0] == 1
+    assert cache.get(layer).recurrent_state.shape[0] == 1 and cache.get(layer).conv_state.shape[0] == 1
+
+
+def _stack_decode(layers: list[GatedDeltaNet], x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """A stack of layers sharing one cache: prefill ``x[:, :prompt_len]``, then one token at a time."""
+    cache = GatedDeltaNetCache()
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = layer(h, cache=cache)
+        return h
+
+    outputs = [stack(x[:, :prompt_len])] + [stack(x[:, t : t + 1]) for t in range(prompt_len, x.shape[1])]
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("indices", [(None, None), (0, 1), (None, 0)])
+def test_layers_sharing_a_cache_keep_their_own_states(indices: tuple) -> None:
+    """Two layers on one cache, built without layer_idx (each filed under itself), with
+    distinct indices (transformers' numbering) or one of each: decoding the stack equals
+    running it on the whole sequence."""
+    layers = [make_layer(seed=seed, layer_idx=idx) for seed, idx in zip((0, 1), indices)]
+    x = inputs(2, 12)
+    with torch.no_grad():
+        want = layers[1](layers[0](x))
+        got = _stack_decode(layers, x, prompt_len=7)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_two_layers_with_one_layer_idx_on_one_cache_raise() -> None:
+    layers = [make_layer(seed=seed, layer_idx=3) for seed in (0, 1)]
+    with torch.no_grad(), pytest.raises(ValueError, match="layer_idx"):
+        _stack_decode(layers, inputs(2, 6), prompt_len=4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -187,9 +219,9 @@ def test_padded_decode_token_leaves_state_alone() -> None:
     with torch.no_grad():
         cache = GatedDeltaNetCache()
         layer(x[:, :4], cache=cache)
-        before = cache.get(0)
+        before = cache.get(layer)
         layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
-        after = cache.get(0)
+        after = cache.get(layer)
         assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
         assert torch.equal(after.conv_state[0], before.conv_state[0])
         assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])

@@ -10,7 +10,7 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import smallest_chunk_size
-from torch_gdr.nn.cache import GatedDeltaNetCache
+from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
 
@@ -59,7 +59,10 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: dv.
         conv_kernel_size: K of the short conv.
         norm_eps: eps of the gated RMSNorm.
-        layer_idx: this layer's key in a :class:`GatedDeltaNetCache`.
+        layer_idx: this layer's entry in a :class:`GatedDeltaNetCache` (transformers' numbering);
+            None (the default): the entry is filed under the layer object itself, so layers
+            built without an index never share one. Two layers built with the same index
+            that use one cache raise ``ValueError``.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
         decode_backend: backend of single-token decode steps (``backend`` when None). On
@@ -68,7 +71,8 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,
-                 head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0, *,
+                 head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6,
+                 layer_idx: Optional[int] = None, *,
                  chunk_size: int = 64, backend: Optional[str] = None, decode_backend: Optional[str] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -99,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
 
     @classmethod
-    def from_config(cls, config: Any, layer_idx: int = 0, **kwargs: Any) -> "GatedDeltaNet":
+    def from_config(cls, config: Any, layer_idx: Optional[int] = None, **kwargs: Any) -> "GatedDeltaNet":
         """Build the layer from a Qwen3-Next-style config (any object with the fields listed in
         the class docstring, e.g. ``transformers.Qwen3NextConfig``); ``kwargs`` go to ``__init__``."""
         return cls(
@@ -113,6 +117,12 @@ class GatedDeltaNet(nn.Module):
             layer_idx=layer_idx,
             **kwargs,
         )
+
+    @property
+    def cache_key(self) -> CacheKey:
+        """What this layer's entry in a :class:`GatedDeltaNetCache` is filed under: ``layer_idx``,
+        or the layer itself when it has none."""
+        return self if self.layer_idx is None else self.layer_idx
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, hidden]`` -> conv input ``[B, T, conv_dim]`` (q | k | v), z ``[B, T, HV, dv]``,
@@ -143,7 +153,7 @@ class GatedDeltaNet(nn.Module):
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
-                (``layer_idx``) when there is one, else from zeros, and stores its states
+                (:attr:`cache_key`) when there is one, else from zeros, and stores its states
                 after the call: N = B (or the number of packed sequences) sequences.
                 A call with T = 1 on a filled cache is a decode step.
 
@@ -163,7 +173,7 @@ class GatedDeltaNet(nn.Module):
             mask = attention_mask.to(hidden_states.dtype)
             hidden_states = hidden_states * mask[..., None]
 
-        previous = cache.get(self.layer_idx) if cache is not None else None
+        previous = cache.get(self.cache_key, owner=self) if cache is not None else None
         mixed, z, b, a = self._project(hidden_states)
         mixed, conv_state = self.conv1d(mixed, initial_state=None if previous is None else previous.conv_state,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
@@ -198,7 +208,7 @@ class GatedDeltaNet(nn.Module):
                 # A padded decode token must not shift the conv window either.
                 keep = mask[:, 0, None, None] > 0
                 conv_state = torch.where(keep, conv_state, previous.conv_state)
-            cache.update(self.layer_idx, conv_state, recurrent_state, seq_len)
+            cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self)
 
         o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))

@@ -260,6 +260,76 @@ def test_bad_inputs_raise() -> None:
         layer(torch.randn(2, 4, HIDDEN + 1))
 
 
+
+@pytest.mark.parametrize("settings, error, argument", [
+    ({"head_k_dim": 0}, ValueError, "head_k_dim"),
+    ({"head_v_dim": -1}, ValueError, "head_v_dim"),
+    ({"num_heads": 0}, ValueError, "num_heads"),
+    ({"num_v_heads": 3}, ValueError, "num_v_heads"),
+    ({"hidden_size": 0}, ValueError, "hidden_size"),
+    ({"conv_kernel_size": 4.0}, TypeError, "conv_kernel_size"),
+    ({"layer_idx": -1}, ValueError, "layer_idx"),
+    ({"backend": "nope"}, ValueError, "backend"),
+    ({"backend": 1}, TypeError, "backend"),
+    ({"decode_backend": "Recurrent"}, ValueError, "decode_backend"),
+    ({"chunk_size": 48}, ValueError, "chunk_size"),
+    ({"chunk_size": 64.0}, TypeError, "chunk_size"),
+    ({"chunk_size": True}, TypeError, "chunk_size"),
+])
+def test_bad_settings_raise_when_the_layer_is_built(settings: dict, error: type, argument: str) -> None:
+    config = {"hidden_size": HIDDEN, "num_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, **settings}
+    with pytest.raises(error, match=f"^{argument}: "):
+        GatedDeltaNet(**config)
+
+
+@pytest.mark.parametrize("settings, error", [
+    ({"backend": "nope"}, ValueError), ({"backend": 1}, TypeError),
+    ({"chunk_size": 48}, ValueError), ({"chunk_size": 64.0}, TypeError),
+])
+def test_use_torch_gdr_checks_its_settings(settings: dict, error: type) -> None:
+    """Before it looks at the model (a model without Gated DeltaNet layers raises otherwise)."""
+    from torch_gdr.integrations.transformers import use_torch_gdr
+
+    with pytest.raises(error, match=f"^{next(iter(settings))}: "):
+        use_torch_gdr(torch.nn.Linear(2, 2), **settings)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4)])
+def test_empty_batch_or_sequence_raises(shape: tuple) -> None:
+    with pytest.raises(ValueError, match="^hidden_states: .*B >= 1 and T >= 1"):
+        make_layer()(inputs(*shape))
+
+
+@pytest.mark.parametrize("mask", [
+    torch.tensor([[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]]),
+    torch.tensor([[1, 2, 1], [0, 1, 1]]),
+    torch.tensor([[1.0, -1.0, 1.0], [1.0, 1.0, 1.0]]),
+])
+def test_attention_mask_other_than_zero_and_one_raises(mask: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="^attention_mask: expected 0 .* and 1"):
+        make_layer()(inputs(2, 3), attention_mask=mask)
+
+
+def test_float_and_bool_masks_of_zeros_and_ones_agree() -> None:
+    layer = make_layer()
+    x = inputs(2, 5)
+    ints = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        by_int = layer(x, attention_mask=ints)
+        assert torch.equal(layer(x, attention_mask=ints.float()), by_int)
+        assert torch.equal(layer(x, attention_mask=ints.bool()), by_int)
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, torch.tensor([0, 1, 2, 3])])
+def test_decode_with_another_batch_size_than_the_cache_raises(cu_seqlens) -> None:
+    layer = make_layer()
+    cache = GatedDeltaNetCache()
+    with torch.no_grad():
+        layer(inputs(2, 5), cache=cache)
+        step = inputs(3, 1) if cu_seqlens is None else inputs(1, 3)
+        with pytest.raises(ValueError, match="^cache: the cache holds 2 sequences and 3 were given"):
+            layer(step, cu_seqlens=cu_seqlens, cache=cache)
+
 def test_importing_torch_gdr_does_not_import_transformers() -> None:
     import os
     import subprocess

@@ -73,7 +73,7 @@ def _resolve(backend: Optional[str], device: torch.device) -> tuple[str, bool]:
     """``(name, named)``: the backend serving a call and whether the caller named it."""
     source = "backend"
     if backend is None:
-        backend = os.environ.get(BACKEND_ENV_VAR) or None
+        backend = os.environ.get(BACKEND_ENV_VAR, "").strip().lower() or None
         source = BACKEND_ENV_VAR
     if backend is None:
         return default_backend(device), False

@@ -33,6 +33,7 @@ import torch
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import smallest_chunk_size
+from torch_gdr.nn._checks import check_backend, check_chunk_size
 
 __all__ = ["use_torch_gdr", "remove_torch_gdr", "is_patched"]
 
@@ -176,9 +177,12 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
         ``model`` itself, patched in place.
 
     Raises:
-        ValueError: the model has no Gated DeltaNet layer of transformers.
+        ValueError: the model has no Gated DeltaNet layer of transformers, or ``backend`` or
+            ``chunk_size`` is not one the op takes (``TypeError`` for one of the wrong type).
         TypeError: the layers are of a layout this function does not know.
     """
+    check_backend("backend", backend)
+    check_chunk_size("chunk_size", chunk_size)
     chunk, recurrent = _make_kernels(backend, chunk_size)
     layers = [m for m in model.modules() if _is_gated_deltanet(m)]
     if not layers:

@@ -10,6 +10,7 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import smallest_chunk_size
+from torch_gdr.nn._checks import check_attention_mask, check_backend, check_chunk_size, check_positive_int
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
@@ -77,8 +78,17 @@ class GatedDeltaNet(nn.Module):
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        if num_heads <= 0 or num_v_heads % num_heads != 0:
-            raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_heads ({num_heads})")
+        for argument, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
+                                ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
+                                ("conv_kernel_size", conv_kernel_size)):
+            check_positive_int(argument, value)
+        if num_v_heads % num_heads != 0:
+            raise ValueError(f"num_v_heads: expected a multiple of num_heads ({num_heads}), got {num_v_heads}")
+        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0):
+            raise ValueError(f"layer_idx: expected None or an int >= 0, got {layer_idx!r}")
+        check_chunk_size("chunk_size", chunk_size)
+        check_backend("backend", backend)
+        check_backend("decode_backend", decode_backend)
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_k_heads = num_heads
@@ -135,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split([ratio, ratio], dim=-1)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
         z = z.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
-        return mixed, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
+        return mixed, z, b.reshape(batch, seq_len, self.num_v_heads), a.reshape(batch, seq_len, self.num_v_heads)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None,
@@ -149,7 +159,8 @@ class GatedDeltaNet(nn.Module):
                 padding, or None. Padded tokens are zeroed before the projections and leave
                 the recurrent state untouched (no decay, no write), so with left padding (as
                 in generation) every real token's output and the cached state equal those of
-                the unpadded sequence. Outputs at padded positions are not meaningful.
+                the unpadded sequence. Outputs at padded positions are not meaningful. Any
+                other value raises (checked in eager mode unless the mask is bool).
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
@@ -159,10 +170,18 @@ class GatedDeltaNet(nn.Module):
 
         Returns:
             ``[B, T, hidden]``, dtype of hidden_states.
+
+        Raises:
+            ValueError: a shape that does not fit (B = 0 or T = 0 included), a mask value
+                other than 0 and 1, a cache entry that holds another number of sequences or
+                was filled by another layer with the same ``layer_idx``.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
         batch, seq_len = hidden_states.shape[:2]
+        if batch == 0 or seq_len == 0:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}] with B >= 1 and T >= 1, "
+                             f"got {list(hidden_states.shape)}")
         if cu_seqlens is not None and batch != 1:
             raise ValueError(f"cu_seqlens: requires hidden_states of shape [1, T, hidden], got {list(hidden_states.shape)}")
         mask = None
@@ -170,10 +189,19 @@ class GatedDeltaNet(nn.Module):
             if list(attention_mask.shape) != [batch, seq_len]:
                 raise ValueError(f"attention_mask: expected shape [B, T] = {[batch, seq_len]}, "
                                  f"got {list(attention_mask.shape)}")
+            check_attention_mask(attention_mask)
             mask = attention_mask.to(hidden_states.dtype)
             hidden_states = hidden_states * mask[..., None]
 
         previous = cache.get(self.cache_key, owner=self) if cache is not None else None
+        if previous is not None:
+            num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            held = previous.recurrent_state.shape[0]
+            if num_seqs != held:
+                raise ValueError(f"cache: the cache holds {held} sequences and {num_seqs} were given "
+                                 f"(hidden_states {list(hidden_states.shape)}"
+                                 f"{'' if cu_seqlens is None else ' with cu_seqlens'}); pass a new cache for a "
+                                 "new batch, or cache.reorder(index) to keep some of its sequences")
         mixed, z, b, a = self._project(hidden_states)
         mixed, conv_state = self.conv1d(mixed, initial_state=None if previous is None else previous.conv_state,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)

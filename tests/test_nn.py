@@ -341,6 +341,20 @@ def test_importing_torch_gdr_does_not_import_transformers() -> None:
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
 
+
+def test_integrations_are_reachable_after_import_torch_gdr() -> None:
+    """``torch_gdr.integrations.transformers.use_torch_gdr`` as the README writes it, after a
+    plain ``import torch_gdr``, still without importing transformers."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_gdr; use = torch_gdr.integrations.transformers.use_torch_gdr; "
+            "sys.exit(2 if 'transformers' in sys.modules else 0 if callable(use) else 3)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
 def test_layer_on_the_pypto_backend_prefills_and_decodes() -> None:
     """The layer on the PyPTO kernel (the interpreter on the CPU): prefill, then decode steps
     with a chunk size the kernel has, equal to the pure-torch layer."""

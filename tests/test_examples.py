@@ -1,9 +1,11 @@
-"""The examples run end to end (short settings), and generation with the cache matches re-running."""
+"""The examples run end to end (short settings), generation with the cache matches re-running, and
+the README's layer snippet runs as written."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,3 +29,17 @@ def test_generate_with_cache_matches_rerun() -> None:
                       "--heads", "2", "--v-heads", "4", "--head-dim", "16", "--vocab", "128")
     diff = float(out.split("max |logits diff| = ")[1].split()[0])
     assert diff < 1e-4, out
+
+
+def readme_python_block(containing: str) -> str:
+    """The README's python code block that contains ``containing``."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    matches = [block for block in blocks if containing in block]
+    assert len(matches) == 1, f"{len(matches)} README python blocks contain {containing!r}"
+    return matches[0]
+
+
+def test_readme_layer_snippet_runs_as_written() -> None:
+    namespace: dict = {}
+    exec(compile(readme_python_block("GatedDeltaNetCache()"), "README.md", "exec"), namespace)
+    assert namespace["y"].shape == (2, 100, 512) and namespace["y_next"].shape == (2, 1, 512)

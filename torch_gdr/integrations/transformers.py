@@ -1,4 +1,7 @@
-"""Run a transformers Qwen3-Next model's gated delta rule on torch_gdr.
+"""Run the gated delta rule of a transformers model with Gated DeltaNet layers on torch_gdr.
+
+Patched: every module whose class is defined in transformers and named ``*GatedDeltaNet``
+(in transformers 5.24: Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid, Qwen4-Exp, Lara-Mini).
 
     model = Qwen3NextForCausalLM.from_pretrained(...)
     model = use_torch_gdr(model)            # prefill and decode now call torch_gdr
@@ -160,7 +163,7 @@ def is_patched(module: torch.nn.Module) -> bool:
 
 
 def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chunk_size: int = 64) -> torch.nn.Module:
-    """Make a transformers model with Gated DeltaNet layers (Qwen3-Next) use torch_gdr.
+    """Make a transformers model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo-Hybrid, ...) use torch_gdr.
 
     Every ``*GatedDeltaNet`` layer of transformers inside ``model`` routes its chunked
     (prefill) and recurrent (decode) gated delta rule calls to
@@ -169,7 +172,8 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
     sequences (``cu_seq_lens_q`` from transformers) are passed on as ``cu_seqlens``.
 
     Args:
-        model: e.g. a ``Qwen3NextForCausalLM`` or ``Qwen3NextModel``, or one layer.
+        model: e.g. a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` or
+            ``OlmoHybridForCausalLM``, a bare model, or one layer.
         backend: the op's backend (None: the op's default for the device).
         chunk_size: the op's chunk size for multi-token calls.
 

@@ -269,6 +269,7 @@ def test_bad_inputs_raise() -> None:
     ({"hidden_size": 0}, ValueError, "hidden_size"),
     ({"conv_kernel_size": 4.0}, TypeError, "conv_kernel_size"),
     ({"layer_idx": -1}, ValueError, "layer_idx"),
+    ({"layer_idx": "0"}, TypeError, "layer_idx"),
     ({"backend": "nope"}, ValueError, "backend"),
     ({"backend": 1}, TypeError, "backend"),
     ({"decode_backend": "Recurrent"}, ValueError, "decode_backend"),

@@ -55,7 +55,8 @@ def check_attention_mask(attention_mask: torch.Tensor) -> None:
     if attention_mask.dtype == torch.bool:
         return
     if attention_mask.is_complex():
-        raise TypeError(f"attention_mask: expected a bool, integer or float tensor of 0 and 1, got {attention_mask.dtype}")
+        raise TypeError(f"attention_mask: expected a bool, integer or float tensor of 0 and 1, "
+                        f"got {attention_mask.dtype}")
     if torch.compiler.is_compiling():
         return
     bad = (attention_mask != 0) & (attention_mask != 1)

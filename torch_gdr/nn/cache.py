@@ -64,9 +64,9 @@ class GatedDeltaNetCache:
             return
         filled_by = self._owners[key]()
         if filled_by is not owner:
+            other = "since deleted" if filled_by is None else f"{type(filled_by).__name__} at {hex(id(filled_by))}"
             raise ValueError(
-                f"layer_idx: entry {key} of this GatedDeltaNetCache was filled by another layer "
-                f"({'since deleted' if filled_by is None else type(filled_by).__name__ + ' at ' + hex(id(filled_by))}); "
+                f"layer_idx: entry {key} of this GatedDeltaNetCache was filled by another layer ({other}); "
                 "give every layer that shares a cache its own layer_idx (or none: then each layer has its own entry)")
 
     def get(self, key: CacheKey, owner: Optional[torch.nn.Module] = None) -> Optional[LayerState]:

@@ -84,8 +84,10 @@ class GatedDeltaNet(nn.Module):
             check_positive_int(argument, value)
         if num_v_heads % num_heads != 0:
             raise ValueError(f"num_v_heads: expected a multiple of num_heads ({num_heads}), got {num_v_heads}")
-        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0):
-            raise ValueError(f"layer_idx: expected None or an int >= 0, got {layer_idx!r}")
+        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
+            raise TypeError(f"layer_idx: expected None or an int >= 0, got {layer_idx!r} ({type(layer_idx).__name__})")
+        if layer_idx is not None and layer_idx < 0:
+            raise ValueError(f"layer_idx: expected None or an int >= 0, got {layer_idx}")
         check_chunk_size("chunk_size", chunk_size)
         check_backend("backend", backend)
         check_backend("decode_backend", decode_backend)

@@ -15,13 +15,13 @@ SMALL = ["--seqlens", "21", "0", "9", "--heads", "1", "--v-heads", "2", "--head-
          "--repeats", "1", "--backends", "torch", "recurrent"]
 
 
-def _off_by(amount: float):
-    """A backend that is the torch backend with ``amount`` added to every output."""
+def _broken(o_scale: float = 1.0, state_scale: float = 1.0):
+    """The torch backend with its output and final state scaled."""
     real = torch_gdr.dispatch.BACKENDS["torch"]
 
     def broken(*args):
         o, final_state = real(*args)
-        return o + amount, final_state
+        return o * o_scale, final_state * state_scale
 
     return broken
 
@@ -32,8 +32,10 @@ def test_agreeing_backends_exit_zero(capsys) -> None:
     assert "[1/2] torch on cpu" in out and "[2/2] recurrent on cpu" in out and "agree with the reference" in out
 
 
-def test_a_backend_that_disagrees_fails_the_run(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(torch_gdr.dispatch.BACKENDS, "torch", _off_by(1e-2))
+@pytest.mark.parametrize("scales", [{"o_scale": 1.5}, {"o_scale": 1.001}, {"state_scale": 0.999}])
+def test_a_backend_that_disagrees_fails_the_run(monkeypatch, capsys, scales: dict) -> None:
+    """Even by 0.1% (the backends agree with the float64 recurrence to about 1e-6)."""
+    monkeypatch.setitem(torch_gdr.dispatch.BACKENDS, "torch", _broken(**scales))
     assert main(SMALL) == 1
     out = capsys.readouterr().out
     assert "DISAGREES" in out and "FAILED: torch (cpu)" in out

@@ -1,14 +1,17 @@
 """Train a two-layer Gated DeltaNet language model on synthetic data, on the CPU.
 
-    PYTHONPATH=. python examples/train_tiny.py            # about a minute
-    PYTHONPATH=. python examples/train_tiny.py --steps 20 # a quick run
+    PYTHONPATH=. python examples/train_tiny.py              # 250 steps, a progress bar
+    PYTHONPATH=. python examples/train_tiny.py --steps 20   # a quick run
 
 The data: variable-length sequences packed into one ``[1, T]`` row with ``cu_seqlens``
 (the layer keeps them apart). Each sequence is a random walk of a sparse Markov chain
 (every token has 3 likely successors, entropy 0.9 nats) followed by a verbatim copy of
-itself. The loss starts near ln(64) = 4.2; within about a minute the model learns the
-chain and the loss falls to about 1.0-1.1. Recalling the copy through the recurrent state
-(which would bring it lower, towards half that) takes longer training.
+itself. The loss starts near ln(64) = 4.2; the model learns the chain and the loss falls
+to about 1.1 within 150 steps (the mean of the last 10 of the default 250: about 1.06).
+The default run takes about 30 s of CPU time (about 0.12 s a step of ~900 tokens on one
+core), so well under a minute on an idle 2-core machine, and several times that on a busy
+one. Recalling the copy through the recurrent state (which would bring the loss lower,
+towards half that) takes much longer training.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from tiny_lm import TinyLM
 
@@ -55,7 +59,7 @@ def packed_loss(logits: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tenso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=250, help="training steps (default: %(default)s)")
     parser.add_argument("--seqs-per-batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--backend", default=None, help="torch_gdr backend (default: the op's default)")
@@ -75,7 +79,8 @@ def main() -> None:
     print(f"TinyLM, {sum(p.numel() for p in model.parameters())} parameters; ln(vocab) = {math.log(vocab):.3f}")
 
     start, first, recent = time.time(), None, []
-    for step in range(1, args.steps + 1):
+    bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True)
+    for step in bar:
         ids, cu_seqlens = packed_batch(chain, args.seqs_per_batch, generator)
         loss = packed_loss(model(ids, cu_seqlens=cu_seqlens), ids, cu_seqlens)
         optimizer.zero_grad(set_to_none=True)
@@ -85,8 +90,10 @@ def main() -> None:
         schedule.step()
         first = loss.item() if first is None else first
         recent = (recent + [loss.item()])[-10:]
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
         if step == 1 or step % max(args.steps // 10, 1) == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss.item():.3f}  ({time.time() - start:.1f}s, {ids.shape[1]} tokens)")
+            bar.write(f"step {step:4d}  loss {loss.item():.3f}  ({time.time() - start:.1f}s, {ids.shape[1]} tokens)")
+    bar.close()
     print(f"loss: first step {first:.3f}, mean of the last {len(recent)} steps {sum(recent) / len(recent):.3f}")
 
 

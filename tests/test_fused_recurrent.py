@@ -280,8 +280,8 @@ def test_layer_uses_the_step_out_of_training(step_calls, monkeypatch) -> None:
                               + [chunked(x[:, t:t + 1], cache=cache_chunked) for t in range(30, 40)], 1)
     assert step_calls == [30] + [1] * 10  # the prompt (<= 64 tokens) and every decode step
     torch.testing.assert_close(y, y_chunked, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.get(0).recurrent_state, cache_chunked.get(0).recurrent_state,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.get(layer.cache_key).recurrent_state,
+                               cache_chunked.get(chunked.cache_key).recurrent_state, atol=1e-5, rtol=1e-5)
 
     step_calls.clear()
     with torch.no_grad():

@@ -122,7 +122,39 @@ def test_cache_feeds_back_across_chunks() -> None:
         pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
         assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
     cache.reorder(torch.tensor([1]))
-    assert cache.get(0).recurrent_state.shape[0] == 1 and cache.get(0).conv_state.shape[0] == 1
+    assert cache.get(layer).recurrent_state.shape[0] == 1 and cache.get(layer).conv_state.shape[0] == 1
+
+
+def _stack_decode(layers: list[GatedDeltaNet], x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """A stack of layers sharing one cache: prefill ``x[:, :prompt_len]``, then one token at a time."""
+    cache = GatedDeltaNetCache()
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = layer(h, cache=cache)
+        return h
+
+    outputs = [stack(x[:, :prompt_len])] + [stack(x[:, t : t + 1]) for t in range(prompt_len, x.shape[1])]
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("indices", [(None, None), (0, 1), (None, 0)])
+def test_layers_sharing_a_cache_keep_their_own_states(indices: tuple) -> None:
+    """Two layers on one cache, built without layer_idx (each filed under itself), with
+    distinct indices (transformers' numbering) or one of each: decoding the stack equals
+    running it on the whole sequence."""
+    layers = [make_layer(seed=seed, layer_idx=idx) for seed, idx in zip((0, 1), indices)]
+    x = inputs(2, 12)
+    with torch.no_grad():
+        want = layers[1](layers[0](x))
+        got = _stack_decode(layers, x, prompt_len=7)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_two_layers_with_one_layer_idx_on_one_cache_raise() -> None:
+    layers = [make_layer(seed=seed, layer_idx=3) for seed in (0, 1)]
+    with torch.no_grad(), pytest.raises(ValueError, match="layer_idx"):
+        _stack_decode(layers, inputs(2, 6), prompt_len=4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -187,9 +219,9 @@ def test_padded_decode_token_leaves_state_alone() -> None:
     with torch.no_grad():
         cache = GatedDeltaNetCache()
         layer(x[:, :4], cache=cache)
-        before = cache.get(0)
+        before = cache.get(layer)
         layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
-        after = cache.get(0)
+        after = cache.get(layer)
         assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
         assert torch.equal(after.conv_state[0], before.conv_state[0])
         assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])
@@ -228,6 +260,77 @@ def test_bad_inputs_raise() -> None:
         layer(torch.randn(2, 4, HIDDEN + 1))
 
 
+
+@pytest.mark.parametrize("settings, error, argument", [
+    ({"head_k_dim": 0}, ValueError, "head_k_dim"),
+    ({"head_v_dim": -1}, ValueError, "head_v_dim"),
+    ({"num_heads": 0}, ValueError, "num_heads"),
+    ({"num_v_heads": 3}, ValueError, "num_v_heads"),
+    ({"hidden_size": 0}, ValueError, "hidden_size"),
+    ({"conv_kernel_size": 4.0}, TypeError, "conv_kernel_size"),
+    ({"layer_idx": -1}, ValueError, "layer_idx"),
+    ({"layer_idx": "0"}, TypeError, "layer_idx"),
+    ({"backend": "nope"}, ValueError, "backend"),
+    ({"backend": 1}, TypeError, "backend"),
+    ({"decode_backend": "Recurrent"}, ValueError, "decode_backend"),
+    ({"chunk_size": 48}, ValueError, "chunk_size"),
+    ({"chunk_size": 64.0}, TypeError, "chunk_size"),
+    ({"chunk_size": True}, TypeError, "chunk_size"),
+])
+def test_bad_settings_raise_when_the_layer_is_built(settings: dict, error: type, argument: str) -> None:
+    config = {"hidden_size": HIDDEN, "num_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, **settings}
+    with pytest.raises(error, match=f"^{argument}: "):
+        GatedDeltaNet(**config)
+
+
+@pytest.mark.parametrize("settings, error", [
+    ({"backend": "nope"}, ValueError), ({"backend": 1}, TypeError),
+    ({"chunk_size": 48}, ValueError), ({"chunk_size": 64.0}, TypeError),
+])
+def test_use_torch_gdr_checks_its_settings(settings: dict, error: type) -> None:
+    """Before it looks at the model (a model without Gated DeltaNet layers raises otherwise)."""
+    from torch_gdr.integrations.transformers import use_torch_gdr
+
+    with pytest.raises(error, match=f"^{next(iter(settings))}: "):
+        use_torch_gdr(torch.nn.Linear(2, 2), **settings)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4)])
+def test_empty_batch_or_sequence_raises(shape: tuple) -> None:
+    with pytest.raises(ValueError, match="^hidden_states: .*B >= 1 and T >= 1"):
+        make_layer()(inputs(*shape))
+
+
+@pytest.mark.parametrize("mask", [
+    torch.tensor([[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]]),
+    torch.tensor([[1, 2, 1], [0, 1, 1]]),
+    torch.tensor([[1.0, -1.0, 1.0], [1.0, 1.0, 1.0]]),
+])
+def test_attention_mask_other_than_zero_and_one_raises(mask: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="^attention_mask: expected 0 .* and 1"):
+        make_layer()(inputs(2, 3), attention_mask=mask)
+
+
+def test_float_and_bool_masks_of_zeros_and_ones_agree() -> None:
+    layer = make_layer()
+    x = inputs(2, 5)
+    ints = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        by_int = layer(x, attention_mask=ints)
+        assert torch.equal(layer(x, attention_mask=ints.float()), by_int)
+        assert torch.equal(layer(x, attention_mask=ints.bool()), by_int)
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, torch.tensor([0, 1, 2, 3])])
+def test_decode_with_another_batch_size_than_the_cache_raises(cu_seqlens) -> None:
+    layer = make_layer()
+    cache = GatedDeltaNetCache()
+    with torch.no_grad():
+        layer(inputs(2, 5), cache=cache)
+        step = inputs(3, 1) if cu_seqlens is None else inputs(1, 3)
+        with pytest.raises(ValueError, match="^cache: the cache holds 2 sequences and 3 were given"):
+            layer(step, cu_seqlens=cu_seqlens, cache=cache)
+
 def test_importing_torch_gdr_does_not_import_transformers() -> None:
     import os
     import subprocess
@@ -238,6 +341,20 @@ def test_importing_torch_gdr_does_not_import_transformers() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
+
+
+def test_integrations_are_reachable_after_import_torch_gdr() -> None:
+    """``torch_gdr.integrations.transformers.use_torch_gdr`` as the README writes it, after a
+    plain ``import torch_gdr``, still without importing transformers."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_gdr; use = torch_gdr.integrations.transformers.use_torch_gdr; "
+            "sys.exit(2 if 'transformers' in sys.modules else 0 if callable(use) else 3)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 def test_layer_on_the_pypto_backend_prefills_and_decodes() -> None:
     """The layer on the PyPTO kernel (the interpreter on the CPU): prefill, then decode steps
@@ -253,3 +370,27 @@ def test_layer_on_the_pypto_backend_prefills_and_decodes() -> None:
     layer.backend = "torch"
     want = decode(layer, x, prompt_len=38)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_compiled_layer_trains_across_lengths_and_packings() -> None:
+    """``torch.compile(fullgraph=True)`` of the layer in training, through the recompile with
+    a dynamic length and two packings: outputs and gradients equal the eager layer's. (With
+    an ``F.conv1d`` in the graph, inductor's CPU layout optimisation gave the ``[B, T, H, K]``
+    tensors next to it strides whose order depends on T > 1, and the compile failed at the
+    second length.)"""
+    torch._dynamo.reset()
+    layer = make_layer(chunk_size=16)
+    compiled = torch.compile(layer, fullgraph=True)
+    calls = [(inputs(1, 20, seed=1), None), (inputs(1, 37, seed=2), None),
+             (inputs(1, 45, seed=3), torch.tensor([0, 9, 45])), (inputs(1, 50, seed=4), torch.tensor([0, 30, 31, 50]))]
+    for x, cu_seqlens in calls:
+        results = []
+        for module in (compiled, layer):
+            layer.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_()
+            y = module(leaf, cu_seqlens=cu_seqlens)
+            y.square().sum().backward()
+            results.append((y.detach(), leaf.grad, layer.in_proj_qkvz.weight.grad, layer.A_log.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -1,4 +1,7 @@
-"""Run a transformers Qwen3-Next model's gated delta rule on torch_gdr.
+"""Run the gated delta rule of a transformers model with Gated DeltaNet layers on torch_gdr.
+
+Patched: every module whose class is defined in transformers and named ``*GatedDeltaNet``
+(in transformers 5.24: Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid, Qwen4-Exp, Lara-Mini).
 
     model = Qwen3NextForCausalLM.from_pretrained(...)
     model = use_torch_gdr(model)            # prefill and decode now call torch_gdr
@@ -33,6 +36,7 @@ import torch
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import smallest_chunk_size
+from torch_gdr.nn._checks import check_backend, check_chunk_size
 
 __all__ = ["use_torch_gdr", "remove_torch_gdr", "is_patched"]
 
@@ -159,7 +163,7 @@ def is_patched(module: torch.nn.Module) -> bool:
 
 
 def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chunk_size: int = 64) -> torch.nn.Module:
-    """Make a transformers model with Gated DeltaNet layers (Qwen3-Next) use torch_gdr.
+    """Make a transformers model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo-Hybrid, ...) use torch_gdr.
 
     Every ``*GatedDeltaNet`` layer of transformers inside ``model`` routes its chunked
     (prefill) and recurrent (decode) gated delta rule calls to
@@ -168,7 +172,8 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
     sequences (``cu_seq_lens_q`` from transformers) are passed on as ``cu_seqlens``.
 
     Args:
-        model: e.g. a ``Qwen3NextForCausalLM`` or ``Qwen3NextModel``, or one layer.
+        model: e.g. a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` or
+            ``OlmoHybridForCausalLM``, a bare model, or one layer.
         backend: the op's backend (None: the op's default for the device).
         chunk_size: the op's chunk size for multi-token calls.
 
@@ -176,9 +181,12 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
         ``model`` itself, patched in place.
 
     Raises:
-        ValueError: the model has no Gated DeltaNet layer of transformers.
+        ValueError: the model has no Gated DeltaNet layer of transformers, or ``backend`` or
+            ``chunk_size`` is not one the op takes (``TypeError`` for one of the wrong type).
         TypeError: the layers are of a layout this function does not know.
     """
+    check_backend("backend", backend)
+    check_chunk_size("chunk_size", chunk_size)
     chunk, recurrent = _make_kernels(backend, chunk_size)
     layers = [m for m in model.modules() if _is_gated_deltanet(m)]
     if not layers:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -25,14 +26,26 @@ class LayerState:
     num_tokens: int = 0
 
 
+#: What an entry of the cache is filed under: a layer's ``layer_idx``, or the layer itself.
+CacheKey = Union[int, torch.nn.Module]
+
+
 class GatedDeltaNetCache:
-    """Decode cache of a stack of :class:`~torch_gdr.nn.GatedDeltaNet` layers, keyed by ``layer_idx``.
+    """Decode cache of a stack of :class:`~torch_gdr.nn.GatedDeltaNet` layers, one entry per layer.
 
     Pass the same object to every layer's ``forward(..., cache=cache)``: the first call
     (the prompt, through the chunked op) fills each layer's entry, and every later call
     continues from it: a ``[N, 1, hidden]`` call is one decode step of each of the N
     sequences, with no re-run of the prompt. Entries are replaced, never written in place,
     so autograd flows through a whole decode.
+
+    A layer built with ``layer_idx=i`` (as transformers numbers its layers) files its entry
+    under ``i``; a layer built without one files it under the layer object itself, so two
+    layers never share an entry by accident. An entry under an index belongs to the first
+    layer that filled it: another layer with the same ``layer_idx`` that reads or writes it
+    gets a ``ValueError`` (two layers built with one index), not the other layer's state.
+    The cache holds its layer-keyed layers (not its index-keyed ones) alive until
+    :meth:`reset`.
 
     Example::
 
@@ -43,26 +56,50 @@ class GatedDeltaNetCache:
     """
 
     def __init__(self) -> None:
-        self.layers: dict[int, LayerState] = {}
+        self.layers: dict[CacheKey, LayerState] = {}
+        self._owners: dict[int, weakref.ref] = {}
 
-    def get(self, layer_idx: int) -> Optional[LayerState]:
-        """The state of layer ``layer_idx``, or None before its first call."""
-        return self.layers.get(layer_idx)
+    def _check_owner(self, key: CacheKey, owner: Optional[torch.nn.Module]) -> None:
+        if owner is None or not isinstance(key, int) or key not in self._owners:
+            return
+        filled_by = self._owners[key]()
+        if filled_by is not owner:
+            other = "since deleted" if filled_by is None else f"{type(filled_by).__name__} at {hex(id(filled_by))}"
+            raise ValueError(
+                f"layer_idx: entry {key} of this GatedDeltaNetCache was filled by another layer ({other}); "
+                "give every layer that shares a cache its own layer_idx (or none: then each layer has its own entry)")
 
-    def update(self, layer_idx: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-               num_new_tokens: int) -> LayerState:
-        """Replace the state of layer ``layer_idx`` after a call that saw ``num_new_tokens`` tokens."""
-        previous = self.layers.get(layer_idx)
+    def get(self, key: CacheKey, owner: Optional[torch.nn.Module] = None) -> Optional[LayerState]:
+        """The state filed under ``key`` (a ``layer_idx`` or a layer), or None before its
+        first call. With ``owner`` (the layer asking), raise ``ValueError`` if another layer
+        filled that ``layer_idx``."""
+        self._check_owner(key, owner)
+        return self.layers.get(key)
+
+    def update(self, key: CacheKey, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+               num_new_tokens: int, owner: Optional[torch.nn.Module] = None) -> LayerState:
+        """Replace the state filed under ``key`` after a call that saw ``num_new_tokens``
+        tokens; ``owner`` (the layer writing) becomes the owner of a new ``layer_idx`` entry."""
+        self._check_owner(key, owner)
+        previous = self.layers.get(key)
         seen = (previous.num_tokens if previous is not None else 0) + num_new_tokens
         state = LayerState(conv_state, recurrent_state, seen)
-        self.layers[layer_idx] = state
+        self.layers[key] = state
+        if owner is not None and isinstance(key, int) and key not in self._owners:
+            self._owners[key] = weakref.ref(owner)
         return state
 
-    def get_seq_length(self, layer_idx: Optional[int] = None) -> int:
-        """Tokens seen per sequence by layer ``layer_idx`` (the first cached layer when None); 0 when empty."""
+    def _keys(self) -> list[CacheKey]:
+        """Index keys in increasing order, then layer keys in the order they were filled."""
+        return (sorted(k for k in self.layers if isinstance(k, int))
+                + [k for k in self.layers if not isinstance(k, int)])
+
+    def get_seq_length(self, key: Optional[CacheKey] = None) -> int:
+        """Tokens seen per sequence by the layer filed under ``key`` (when None: the lowest
+        ``layer_idx``, else the first layer filled); 0 when empty."""
         if not self.layers:
             return 0
-        key = min(self.layers) if layer_idx is None else layer_idx
+        key = self._keys()[0] if key is None else key
         return self.layers[key].num_tokens if key in self.layers else 0
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -79,14 +116,15 @@ class GatedDeltaNetCache:
         return self
 
     def reset(self) -> None:
-        """Forget every layer's state."""
+        """Forget every layer's state (and which layer filled which index)."""
         self.layers.clear()
+        self._owners.clear()
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __contains__(self, layer_idx: object) -> bool:
-        return layer_idx in self.layers
+    def __contains__(self, key: object) -> bool:
+        return key in self.layers
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self.layers))
+    def __iter__(self) -> Iterator[CacheKey]:
+        return iter(self._keys())

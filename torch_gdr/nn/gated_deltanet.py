@@ -11,7 +11,8 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import BACKEND_ENV_VAR, smallest_chunk_size
-from torch_gdr.nn.cache import GatedDeltaNetCache
+from torch_gdr.nn._checks import check_attention_mask, check_backend, check_chunk_size, check_positive_int
+from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
 
@@ -62,7 +63,10 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: dv.
         conv_kernel_size: K of the short conv.
         norm_eps: eps of the gated RMSNorm.
-        layer_idx: this layer's key in a :class:`GatedDeltaNetCache`.
+        layer_idx: this layer's entry in a :class:`GatedDeltaNetCache` (transformers' numbering);
+            None (the default): the entry is filed under the layer object itself, so layers
+            built without an index never share one. Two layers built with the same index
+            that use one cache raise ``ValueError``.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
         decode_backend: backend of single-token decode steps (``backend`` when None).
@@ -75,13 +79,25 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,
-                 head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0, *,
+                 head_v_dim: int = 128, conv_kernel_size: int = 4, norm_eps: float = 1e-6,
+                 layer_idx: Optional[int] = None, *,
                  chunk_size: int = 64, backend: Optional[str] = None, decode_backend: Optional[str] = None,
                  recurrent_max_len: int = RECURRENT_MAX_LEN, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        if num_heads <= 0 or num_v_heads % num_heads != 0:
-            raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_heads ({num_heads})")
+        for argument, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
+                                ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
+                                ("conv_kernel_size", conv_kernel_size)):
+            check_positive_int(argument, value)
+        if num_v_heads % num_heads != 0:
+            raise ValueError(f"num_v_heads: expected a multiple of num_heads ({num_heads}), got {num_v_heads}")
+        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
+            raise TypeError(f"layer_idx: expected None or an int >= 0, got {layer_idx!r} ({type(layer_idx).__name__})")
+        if layer_idx is not None and layer_idx < 0:
+            raise ValueError(f"layer_idx: expected None or an int >= 0, got {layer_idx}")
+        check_chunk_size("chunk_size", chunk_size)
+        check_backend("backend", backend)
+        check_backend("decode_backend", decode_backend)
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_k_heads = num_heads
@@ -107,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
 
     @classmethod
-    def from_config(cls, config: Any, layer_idx: int = 0, **kwargs: Any) -> "GatedDeltaNet":
+    def from_config(cls, config: Any, layer_idx: Optional[int] = None, **kwargs: Any) -> "GatedDeltaNet":
         """Build the layer from a Qwen3-Next-style config (any object with the fields listed in
         the class docstring, e.g. ``transformers.Qwen3NextConfig``); ``kwargs`` go to ``__init__``."""
         return cls(
@@ -122,6 +138,12 @@ class GatedDeltaNet(nn.Module):
             **kwargs,
         )
 
+    @property
+    def cache_key(self) -> CacheKey:
+        """What this layer's entry in a :class:`GatedDeltaNetCache` is filed under: ``layer_idx``,
+        or the layer itself when it has none."""
+        return self if self.layer_idx is None else self.layer_idx
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, hidden]`` -> conv input ``[B, T, conv_dim]`` (q | k | v), z ``[B, T, HV, dv]``,
         b, a ``[B, T, HV]``, undoing the per-head-group interleaving of the fused projections."""
@@ -133,7 +155,7 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split([ratio, ratio], dim=-1)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
         z = z.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
-        return mixed, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
+        return mixed, z, b.reshape(batch, seq_len, self.num_v_heads), a.reshape(batch, seq_len, self.num_v_heads)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None,
@@ -147,20 +169,29 @@ class GatedDeltaNet(nn.Module):
                 padding, or None. Padded tokens are zeroed before the projections and leave
                 the recurrent state untouched (no decay, no write), so with left padding (as
                 in generation) every real token's output and the cached state equal those of
-                the unpadded sequence. Outputs at padded positions are not meaningful.
+                the unpadded sequence. Outputs at padded positions are not meaningful. Any
+                other value raises (checked in eager mode unless the mask is bool).
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
-                (``layer_idx``) when there is one, else from zeros, and stores its states
+                (:attr:`cache_key`) when there is one, else from zeros, and stores its states
                 after the call: N = B (or the number of packed sequences) sequences.
                 A call with T = 1 on a filled cache is a decode step.
 
         Returns:
             ``[B, T, hidden]``, dtype of hidden_states.
+
+        Raises:
+            ValueError: a shape that does not fit (B = 0 or T = 0 included), a mask value
+                other than 0 and 1, a cache entry that holds another number of sequences or
+                was filled by another layer with the same ``layer_idx``.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
         batch, seq_len = hidden_states.shape[:2]
+        if batch == 0 or seq_len == 0:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}] with B >= 1 and T >= 1, "
+                             f"got {list(hidden_states.shape)}")
         if cu_seqlens is not None and batch != 1:
             raise ValueError(f"cu_seqlens: requires hidden_states of shape [1, T, hidden], got {list(hidden_states.shape)}")
         mask = None
@@ -168,10 +199,19 @@ class GatedDeltaNet(nn.Module):
             if list(attention_mask.shape) != [batch, seq_len]:
                 raise ValueError(f"attention_mask: expected shape [B, T] = {[batch, seq_len]}, "
                                  f"got {list(attention_mask.shape)}")
+            check_attention_mask(attention_mask)
             mask = attention_mask.to(hidden_states.dtype)
             hidden_states = hidden_states * mask[..., None]
 
-        previous = cache.get(self.layer_idx) if cache is not None else None
+        previous = cache.get(self.cache_key, owner=self) if cache is not None else None
+        if previous is not None:
+            num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            held = previous.recurrent_state.shape[0]
+            if num_seqs != held:
+                raise ValueError(f"cache: the cache holds {held} sequences and {num_seqs} were given "
+                                 f"(hidden_states {list(hidden_states.shape)}"
+                                 f"{'' if cu_seqlens is None else ' with cu_seqlens'}); pass a new cache for a "
+                                 "new batch, or cache.reorder(index) to keep some of its sequences")
         mixed, z, b, a = self._project(hidden_states)
         mixed, conv_state = self.conv1d(mixed, initial_state=None if previous is None else previous.conv_state,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
@@ -212,7 +252,7 @@ class GatedDeltaNet(nn.Module):
                 # A padded decode token must not shift the conv window either.
                 keep = mask[:, 0, None, None] > 0
                 conv_state = torch.where(keep, conv_state, previous.conv_state)
-            cache.update(self.layer_idx, conv_state, recurrent_state, seq_len)
+            cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self)
 
         o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))

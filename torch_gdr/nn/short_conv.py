@@ -61,6 +61,32 @@ def _packed_conv(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[
     return y, final_state
 
 
+def _batched_conv(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor],
+                  output_final_state: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Causal depthwise conv of ``x [B, T, C]``, ``weight [C, K]``, as ``K`` shifted
+    multiply-adds along T in the token-major layout: ``y`` is a contiguous ``[B, T, C]``.
+
+    Not ``F.conv1d``: that wants channel-first ``[B, C, T]``, and under ``torch.compile`` a
+    convolution turns on inductor's CPU layout optimisation, which gives the 4-d tensors
+    around it (the layer's ``[B, T, H, K]`` q, k, v, z) "channels-last" strides
+    ``(H*K*T, 1, K*T, T)``. With a dynamic T inductor cannot order stride 1 against T
+    (``cannot determine truth value of Relational: 1 < s0``) and the compile of a training
+    step failed at the second sequence length. The shifted sum is also faster in eager mode.
+    """
+    batch, num_tokens, channels = x.shape
+    hist = weight.shape[-1] - 1
+    prefix = (x.new_zeros(batch, hist, channels) if initial_state is None
+              else initial_state.to(x.dtype).transpose(1, 2))
+    full = torch.cat([prefix, x], dim=1)  # [B, K - 1 + T, C]
+    y = full[:, hist:] * weight[:, hist]
+    for tap in range(hist):
+        y = y.addcmul_(full[:, tap : tap + num_tokens], weight[:, tap])
+    final_state = None
+    if output_final_state:  # a copy: a view would keep the whole of ``full`` alive in a cache
+        final_state = full[:, full.shape[1] - hist:].transpose(1, 2).contiguous()
+    return y, final_state
+
+
 def causal_depthwise_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -107,15 +133,7 @@ def causal_depthwise_conv1d(
         y, final_state = _packed_conv(x[0], weight, initial_state, cu_seqlens, output_final_state)
         y = y.unsqueeze(0)
     else:
-        xt = x.transpose(1, 2)  # [B, C, T]
-        prefix = (xt.new_zeros(x.shape[0], channels, hist) if initial_state is None
-                  else initial_state.to(x.dtype))
-        full = torch.cat([prefix, xt], dim=-1)
-        if x.shape[1] == 0:
-            y = x.clone()
-        else:
-            y = F.conv1d(full, weight.unsqueeze(1), groups=channels).transpose(1, 2)
-        final_state = full[..., full.shape[-1] - hist:] if output_final_state else None
+        y, final_state = _batched_conv(x, weight, initial_state, output_final_state)
     if bias is not None:
         y = y + bias.to(y.dtype)
     act = _ACTIVATIONS[activation]

@@ -2,10 +2,12 @@
 
 PyPTO 0.2.0 writes, on each compile, ``./output/output_<ts>_<pid>_<ip>/``
 (``TILE_FWK_OUTPUT_DIR``), ``~/.pypto/run/rundata_<ts>/`` (``PYPTO_HOME``) and
-``~/ascend/log/...`` (``ASCEND_PROCESS_LOG_PATH``). :func:`import_pypto` points all three
-into torch_gdr's cache directory *before* the first ``import pypto``, so nothing lands in the
-working directory or in ``~/.pypto`` / ``~/ascend``. Per-call outputs (compile folders,
-verify dumps) are further confined to temporary directories by :func:`scratch_dir`.
+``~/ascend/log/...`` (``ASCEND_PROCESS_LOG_PATH``). :func:`import_pypto` points each of the
+three that the user has not set into torch_gdr's cache directory *before* the first
+``import pypto``, so nothing lands in the working directory or in ``~/.pypto`` / ``~/ascend``;
+a variable the user set is honoured and never changed. Per-call outputs (compile folders,
+verify dumps) are further confined to temporary directories by :func:`scratch_dir`, the
+compile folders only while ``TILE_FWK_OUTPUT_DIR`` is not the user's.
 
 The CPU interpreter patches private internals of PyPTO 0.2.0; :func:`import_pypto` checks
 the version and that those internals still exist, and fails loudly otherwise.
@@ -59,18 +61,38 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+#: The variables through which PyPTO's files are placed, and where torch_gdr puts them
+#: (under the cache directory) when the user has not set them.
+_PYPTO_DIR_VARS: dict[str, str] = {
+    "TILE_FWK_OUTPUT_DIR": "output",  # per-compile output_<ts>_... folders (read at each compile)
+    "PYPTO_HOME": "home",  # a run/rundata_<ts> record at every import
+    "ASCEND_PROCESS_LOG_PATH": "log",  # the Ascend logs
+}
+
+#: The values torch_gdr itself gave those variables: any other value is the user's.
+_defaults_set: dict[str, str] = {}
+
+
+def user_set(var: str) -> bool:
+    """Whether the environment variable ``var`` holds a value the user gave it (set before
+    torch_gdr gave it a default, or changed since), which torch_gdr must leave alone."""
+    value = os.environ.get(var)
+    return bool(value) and value != _defaults_set.get(var)
+
+
 def _redirect_side_effects() -> None:
-    """Point PyPTO's output, home and log directories into the cache (read by its C++ side)."""
+    """Point PyPTO's output, home and log directories into the cache (read by its C++ side),
+    each only where the user has not set it: a variable the user set is left as it is (and
+    so are the directories it names)."""
     root = cache_dir() / "pypto"
-    targets = {
-        "TILE_FWK_OUTPUT_DIR": root / "output",
-        "PYPTO_HOME": root / "home",
-        "ASCEND_PROCESS_LOG_PATH": root / "log",
-    }
-    for var, path in targets.items():
+    for var, sub in _PYPTO_DIR_VARS.items():
+        if user_set(var):
+            continue
+        path = root / sub
         path.mkdir(parents=True, exist_ok=True)
-        os.environ[var] = str(path)
-    _prune_run_records(targets["PYPTO_HOME"] / "run")
+        os.environ[var] = _defaults_set[var] = str(path)
+    if not user_set("PYPTO_HOME"):
+        _prune_run_records(Path(os.environ["PYPTO_HOME"]) / "run")
 
 
 #: How many of PyPTO's per-import ``rundata_<ts>`` records to keep in the cache.
@@ -163,13 +185,19 @@ def scratch_dir(prefix: str = "torch_gdr_") -> Iterator[Path]:
 
 @contextlib.contextmanager
 def redirected_output(path: Path) -> Iterator[None]:
-    """Send PyPTO's per-compile ``output_<ts>_...`` folder into ``path`` for the block."""
-    old = os.environ.get("TILE_FWK_OUTPUT_DIR")
-    os.environ["TILE_FWK_OUTPUT_DIR"] = str(path)
+    """Send PyPTO's per-compile ``output_<ts>_...`` folder into ``path`` for the block (PyPTO
+    reads ``TILE_FWK_OUTPUT_DIR`` at each compile), unless the user set that variable: then
+    the folder goes where the user asked and the variable is not touched."""
+    var = "TILE_FWK_OUTPUT_DIR"
+    if user_set(var):
+        yield
+        return
+    old = os.environ.get(var)
+    os.environ[var] = str(path)
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TILE_FWK_OUTPUT_DIR", None)
+            os.environ.pop(var, None)
         else:
-            os.environ["TILE_FWK_OUTPUT_DIR"] = old
+            os.environ[var] = old

@@ -93,7 +93,7 @@ def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, 
     else:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     chunk_size = pick_chunk_size(max_seqlen, chunk_size)
-    o, final_state = pypto_chunk_gated_delta_rule_fwd(
+    o, final_state, _ = pypto_chunk_gated_delta_rule_fwd(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1), cu_seqlens,
         None if initial_state is None else initial_state.float(),
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)

@@ -48,9 +48,8 @@ own inputs only, so the cost model overlaps it across chunks::
 which is the WY form ``V' = U - W S``, ``O = (exp(gamma) Q) S + P V'``,
 ``S <- exp(gamma_last) S + KO^T V'`` with the state terms gathered into M and B.
 
-The inverse: the 16 x 16 diagonal blocks by a Neumann product
-``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)``, then pairwise merges
-``T21 = -T22 A21 T11`` up to the chunk, all blocks of one level at once.
+``Tinv`` is never formed: :func:`_solve_unit_lower` applies it to the right-hand side as
+two short products of power factors (16 x 16 diagonal blocks, then the block level).
 
 A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
 (zero k, v, beta and g leave the result exact) and only its valid rows are written back
@@ -82,7 +81,7 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128)
 SUPPORTED_CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Input dtypes of q, k and v the kernel reads itself.
 SUPPORTED_INPUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
-#: Size of the diagonal blocks inverted directly before the pairwise merges.
+#: Size of the diagonal blocks of the two-level inverse.
 BASE_BLOCK = 16
 #: pypto's stitch limit: how many loop-body functions one submission holds. A wider
 #: stitch lets the independent (sequence, head) chains and the chunk-parallel work of
@@ -94,8 +93,8 @@ MASK_LOWER = 0  # r >= s
 MASK_STRICT_LOWER = 1  # r > s
 MASK_IDENTITY = 2
 MASK_BASE_BLOCKS = 3  # strictly lower part of the 16 x 16 diagonal blocks
-# 4.. : for each merge level (block 16 -> 32 -> ... -> l), the lower-left quadrant of
-#       every diagonal block of the merged size.
+MASK_OFF_BLOCKS = 4  # strictly lower, outside the 16 x 16 diagonal blocks
+NUM_MASKS = 5
 
 
 def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int) -> int:
@@ -113,22 +112,17 @@ def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int) -> int:
     return next(size for size in SUPPORTED_CHUNK_SIZES if size >= min(max_seqlen, SUPPORTED_CHUNK_SIZES[-1]))
 
 
-def num_merge_levels(chunk_size: int) -> int:
-    """Pairwise merges from 16-blocks up to the chunk: 1 for l=32, 2 for 64, 3 for 128."""
+def num_block_levels(chunk_size: int) -> int:
+    """Factors ``I + G^(2^j)`` of the block-level inverse: 1 for l=32, 2 for 64, 3 for 128."""
     return (chunk_size // BASE_BLOCK).bit_length() - 1
 
 
 def chunk_masks(chunk_size: int) -> torch.Tensor:
-    """The constant masks the kernel reads, ``[4 + merge levels, l, l]`` fp32 of 0/1."""
+    """The constant masks the kernel reads, ``[5, l, l]`` fp32 of 0/1 (indices ``MASK_*``)."""
     idx = torch.arange(chunk_size)
     row, col = idx[:, None], idx[None, :]
-    masks = [row >= col, row > col, row == col, (row > col) & (row // BASE_BLOCK == col // BASE_BLOCK)]
-    size = BASE_BLOCK
-    for _ in range(num_merge_levels(chunk_size)):
-        merged = 2 * size
-        same_block = row // merged == col // merged
-        masks.append(same_block & (row // size == col // size + 1) & ((row // size) % 2 == 1))
-        size = merged
+    same_block = row // BASE_BLOCK == col // BASE_BLOCK
+    masks = [row >= col, row > col, row == col, (row > col) & same_block, (row > col) & ~same_block]
     return torch.stack(masks).to(torch.float32)
 
 
@@ -180,27 +174,43 @@ def _pypto_dtype(name: str) -> Any:
     return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
 
 
-def _invert_unit_lower(a: Any, masks: Any, chunk_size: int) -> Any:
-    """``(I + a)^-1`` for strictly lower ``a [l, l]``, by matmuls only.
+def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
+    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only.
 
-    Diagonal 16x16 blocks: ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a
-    nilpotent N (N^16 = 0), done for all blocks at once on the block-diagonal part of a.
-    Then each merge doubles the block size: with ``T`` block-diagonal of blocks m and
-    ``A_off`` the lower-left m x m quadrants of the 2m blocks, ``T <- T - T A_off T``,
-    which is ``inv21 = -inv22 A21 inv11`` for every pair at once.
+    With ``N`` the strictly lower part of the 16 x 16 diagonal blocks of a and ``L`` the
+    rest (strictly block-lower), ``I + a = D (I + G)`` with ``D = I + N``,
+    ``G = D^-1 L``. Both are nilpotent (N^16 = 0; G^(l/16) = 0), so each inverse is a
+    short product of power factors::
+
+        D^-1       = (I - N)(I + N^2)(I + N^4)(I + N^8)
+        (I + G)^-1 = (I - G)(I + G^2)(I + G^4)       (l = 128; fewer factors below)
+
+    The matmuls of each product run back to back with no vector work between them: a
+    dependency depth of about six tasks, against three per pairwise merge level.
     """
     pypto = import_pypto()
+    fp32 = pypto.DT_FP32
     eye = masks[MASK_IDENTITY]
-    power = a * masks[MASK_BASE_BLOCKS] * -1.0  # -N
-    inverse = eye + power
-    for _ in range(3):  # multiply by (I + (-N)^(2^j)), j = 1, 2, 3
-        power = pypto.matmul(power, power, pypto.DT_FP32)
-        inverse = inverse + pypto.matmul(inverse, power, pypto.DT_FP32)
-    for level in range(num_merge_levels(chunk_size)):
-        off_diag = a * masks[MASK_BASE_BLOCKS + 1 + level]
-        coupling = pypto.matmul(pypto.matmul(inverse, off_diag, pypto.DT_FP32), inverse, pypto.DT_FP32)
-        inverse = inverse - coupling
-    return inverse
+    n1 = a * masks[MASK_BASE_BLOCKS]
+    off = a * masks[MASK_OFF_BLOCKS]
+    n2 = pypto.matmul(n1, n1, fp32)
+    n4 = pypto.matmul(n2, n2, fp32)
+    n8 = pypto.matmul(n4, n4, fp32)
+    d_inv = pypto.matmul(
+        pypto.matmul(eye - n1, eye + n2, fp32), pypto.matmul(eye + n4, eye + n8, fp32), fp32
+    )
+    y = pypto.matmul(d_inv, rhs, fp32)
+    levels = num_block_levels(chunk_size)
+    if levels == 0:
+        return y
+    g1 = pypto.matmul(d_inv, off, fp32)
+    powers = [g1]
+    for _ in range(levels - 1):
+        powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
+    factors = [eye - g1] + [eye + p for p in powers[1:]]
+    for factor in reversed(factors):
+        y = pypto.matmul(factor, y, fp32)
+    return y
 
 
 def _chunk_terms(
@@ -219,7 +229,7 @@ def _chunk_terms(
     q = q * scale
 
     lower = masks[MASK_LOWER]
-    gamma = pypto.matmul(lower, g, fp32)  # [l, 1] within-chunk cumsum
+    gamma = pypto.cumsum(g, 0)  # [l, 1] within-chunk cumsum
     gamma_row = pypto.transpose(gamma, 0, 1)  # [1, l]
     decay = pypto.exp((gamma - gamma_row) * lower) * lower  # Gamma incl. diagonal, [l, l]
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
@@ -228,9 +238,8 @@ def _chunk_terms(
 
     k_beta = k * beta
     a = pypto.matmul(k_beta, k, fp32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]
-    t_inv = _invert_unit_lower(a, masks, chunk_size)
     rhs = pypto.concat([k_beta * decay_in * -1.0, v * beta], dim=1)  # [l, K + V]
-    wu = pypto.matmul(t_inv, rhs, fp32)  # [-W | U]
+    wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
     qk = pypto.matmul(q, k, fp32, b_trans=True) * decay  # P, [l, l]
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
@@ -287,7 +296,7 @@ def build_gdr_kernel(
     chunk_rows = pypto.DYNAMIC
     group = num_v_heads // num_qk_heads
     num_pairs = num_seqs * num_v_heads
-    n_masks = 4 + num_merge_levels(chunk_size)
+    n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
     state_in_shape = [num_seqs if has_initial_state else 1, num_v_heads if has_initial_state else 1, dk + dv, dv]

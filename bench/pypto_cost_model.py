@@ -72,6 +72,7 @@ class Workload:
     initial_state: bool = True
     l2norm: bool = True
     chunk_states: bool = False
+    stitch: int | None = None  # pypto's stitch_function_max_num; None: the kernel's default
 
     @property
     def tokens(self) -> int:
@@ -105,13 +106,14 @@ def forward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
         num_seqs=n, num_qk_heads=w.heads, num_v_heads=w.v_heads, head_k_dim=w.head_k_dim,
         head_v_dim=w.head_v_dim, chunk_size=chunk, use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5,
         has_initial_state=w.initial_state, input_dtype=w.dtype, output_chunk_states=w.chunk_states,
+        **({} if w.stitch is None else {"stitch_function_max_num": w.stitch}),
     )
     chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
-                    else torch.zeros(1, 1, 1, 1))
-    args = [q, k, v, g, beta, cu_seqlens, offsets.int(), chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim),
+                    else torch.zeros(1, 1))
+    args = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim),
             augmented_state(s0, w.v_heads, w.head_k_dim, w.head_v_dim),
-            torch.zeros(t, w.v_heads, w.head_v_dim), torch.zeros(n, w.v_heads, w.head_k_dim, w.head_v_dim),
-            chunk_states]
+            torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
+            chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states]
     return kernel, args
 
 
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-initial-state", action="store_true")
     parser.add_argument("--no-l2norm", action="store_true")
     parser.add_argument("--chunk-states", action="store_true", help="also write the per-chunk states")
+    parser.add_argument("--stitch", type=int, default=None, help="pypto's stitch_function_max_num")
     parser.add_argument("--backward", action="store_true", help="time the backward kernel")
     parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
     parser.add_argument("--suite", action="store_true", help="run the fixed table (make bench-npu)")
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(heads=args.heads, v_heads=args.v_heads, head_k_dim=args.head_dim,
                   head_v_dim=args.head_v_dim or args.head_dim, chunk_size=args.chunk, dtype=args.dtype,
                   initial_state=not args.no_initial_state, l2norm=not args.no_l2norm,
-                  chunk_states=args.chunk_states)
+                  chunk_states=args.chunk_states, stitch=args.stitch)
     with output_root(args.out) as root:
         if not args.suite:
             w = Workload(lens=tuple(int(x) for x in args.lens.split(",")), **common)

@@ -139,14 +139,15 @@ def pypto_chunk_gated_delta_rule_fwd(
         return t.to(device=device, dtype=torch.float32).contiguous()
 
     args = [
-        q.contiguous(), k.contiguous(), v.contiguous(), fp32(g), fp32(beta),
+        q.reshape(num_tokens, -1).contiguous(), k.reshape(num_tokens, -1).contiguous(),
+        v.reshape(num_tokens, -1).contiguous(), fp32(g), fp32(beta),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         offsets.to(dtype=torch.int32).contiguous(),
         chunk_masks(kernel_chunk).to(device),
         eye_pad(head_k_dim, head_v_dim).to(device),
         augmented_state(initial_state, num_v_heads, head_k_dim, head_v_dim).to(device).contiguous(),
-        o, state_out,
-        chunk_states if output_chunk_states else torch.zeros(1, 1, 1, 1, device=device),
+        o.view(num_tokens, -1), state_out.view(-1, head_v_dim),
+        chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
     ]
     if on_device:
         kernel(*args)  # run mode NPU: pypto launches on the current NPU stream

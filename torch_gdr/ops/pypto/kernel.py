@@ -7,29 +7,33 @@ dynamic. Kernel arguments, in order:
 ===============  =========================  =================================================
 name             shape                      meaning
 ===============  =========================  =================================================
-q, k             ``[T, H, K]`` in_dtype     queries, keys (H query/key heads); fp32, fp16
-                                            or bf16, converted to fp32 in the kernel
-v                ``[T, HV, V]`` in_dtype    values (HV value heads, ``HV % H == 0``)
+q, k             ``[T, H * K]`` in_dtype    queries, keys (H query/key heads; the
+                                            token-major ``[T, H, K]`` with the heads
+                                            flattened); fp32, fp16 or bf16, converted to
+                                            fp32 in the kernel
+v                ``[T, HV * V]`` in_dtype   values (HV value heads, ``HV % H == 0``)
 g                ``[T, HV]`` fp32           raw per-token log decay (cumsum in the kernel)
 beta             ``[T, HV]`` fp32           delta-rule write strength
 act_seq_len      ``[N + 1]`` int32          cumulative sequence offsets, last one == T
 chunk_offsets    ``[N + 1]`` int32          exclusive cumsum of ``ceil(len_n / l)``: row of
                                             sequence n's first chunk in ``chunk_states``
-masks            ``[M, l, l]`` fp32         constant masks, see :func:`chunk_masks`
+masks            ``[M * l, l]`` fp32        constant masks, see :func:`chunk_masks`
 eye_pad          ``[K, K + V]`` fp32        constant ``[I_K | 0]``, see :func:`eye_pad`
-state_in         ``[N, HV, K + V, V]`` fp32 ``[S0; I_V]`` per sequence and head, key-first
-                                            S0 (``[1, 1, K + V, V]`` ``[0; I]`` shared by
+state_in         ``[N*HV*(K+V), V]`` fp32   ``[S0; I_V]`` per sequence and head, key-first
+                                            S0 (one ``[0; I]`` ``[K + V, V]`` shared by
                                             all when ``has_initial_state`` is False); see
                                             :func:`augmented_state`
-o                ``[T, HV, V]`` fp32        output
-state_out        ``[N, HV, K, V]`` fp32     final state, key-first
-chunk_states     ``[C, HV, K, V]`` fp32     the state entering each chunk, key-first, row
-                                            ``chunk_offsets[n] + c`` for chunk c of sequence
-                                            n (``[1, 1, 1, 1]`` and never written when
-                                            ``output_chunk_states`` is False)
+o                ``[T, HV * V]`` fp32       output
+state_out        ``[N*HV*K, V]`` fp32       final state ``[N, HV, K, V]``, key-first
+chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, HV, K, V]``,
+                                            key-first, row ``chunk_offsets[n] + c`` for
+                                            chunk c of sequence n (``[1, 1]`` and never
+                                            written when ``output_chunk_states`` is False)
 ===============  =========================  =================================================
 
-Value head ``h`` reads q/k head ``h // (HV // H)``.
+Every tensor is passed two-dimensional (the host's contiguous tensors, viewed flat), so
+every read and write is a strided two-dimensional view with no reshape: a reshape of a
+view is a copy task of its own. Value head ``h`` reads q/k head ``h // (HV // H)``.
 
 The form (per chunk of l tokens, rows r, s; ``gamma`` the within-chunk cumsum of g) keeps
 one matmul on the serial chain from chunk to chunk. Everything else depends on the chunk's
@@ -61,8 +65,9 @@ workspace too early in 0.2.0.
 
 Tile shapes fit an Ascend 910B core: cube tiles up to 128 x 128 (fp32: 64 KiB per operand
 in L1, L0A/L0B 64 KiB, L0C 128 KiB); vector tiles of 128 x 128 fp32 (64 KiB) for the
-chunk's two-dimensional work, 64 rows for the strided three-dimensional reads and writes
-(the unified buffer holds 192 KiB).
+chunk's work (the unified buffer holds 192 KiB). Inputs and the output are read and
+written as strided two-dimensional views of ``[T, heads * D]``, which needs no reshape
+(a reshape of a three-dimensional view is a copy task of its own).
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -85,8 +90,9 @@ SUPPORTED_INPUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 BASE_BLOCK = 16
 #: pypto's stitch limit: how many loop-body functions one submission holds. A wider
 #: stitch lets the independent (sequence, head) chains and the chunk-parallel work of
-#: later chunks overlap; larger stitches need more device workspace.
-DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
+#: later chunks overlap; a launch whose bodies overflow it runs its submissions one after
+#: another. Larger stitches need more device workspace (not yet checked on hardware).
+DEFAULT_STITCH_FUNCTION_MAX_NUM = 256
 
 # Indices into the chunk_masks tensor.
 MASK_LOWER = 0  # r >= s
@@ -118,12 +124,13 @@ def num_block_levels(chunk_size: int) -> int:
 
 
 def chunk_masks(chunk_size: int) -> torch.Tensor:
-    """The constant masks the kernel reads, ``[5, l, l]`` fp32 of 0/1 (indices ``MASK_*``)."""
+    """The constant masks the kernel reads, ``[5 * l, l]`` fp32 of 0/1: mask ``MASK_*`` in rows
+    ``[MASK_* * l, (MASK_* + 1) * l)``."""
     idx = torch.arange(chunk_size)
     row, col = idx[:, None], idx[None, :]
     same_block = row // BASE_BLOCK == col // BASE_BLOCK
     masks = [row >= col, row > col, row == col, (row > col) & same_block, (row > col) & ~same_block]
-    return torch.stack(masks).to(torch.float32)
+    return torch.cat(masks).to(torch.float32)
 
 
 def eye_pad(head_k_dim: int, head_v_dim: int) -> torch.Tensor:
@@ -141,7 +148,8 @@ def augmented_state(initial_state: torch.Tensor | None, num_v_heads: int, head_k
         initial_state: ``[N, HV, K, V]`` key-first, any float dtype, or None for zeros.
 
     Returns:
-        ``[N, HV, K + V, V]``, or ``[1, 1, K + V, V]`` holding ``[0; I]`` for None.
+        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened), or ``[K + V, V]``
+        holding ``[0; I]`` for None.
     """
     if initial_state is None:
         out = torch.zeros(1, 1, head_k_dim + head_v_dim, head_v_dim)
@@ -151,7 +159,7 @@ def augmented_state(initial_state: torch.Tensor | None, num_v_heads: int, head_k
         out[:, :, :head_k_dim] = initial_state
         out[:, :, head_k_dim:] = 0.0
     out[:, :, head_k_dim:] += torch.eye(head_v_dim, device=out.device)
-    return out
+    return out.view(-1, head_v_dim)
 
 
 def validate_kernel_config(
@@ -299,45 +307,43 @@ def build_gdr_kernel(
     n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
-    state_in_shape = [num_seqs if has_initial_state else 1, num_v_heads if has_initial_state else 1, dk + dv, dv]
-    chunk_states_shape = [chunk_rows, num_v_heads, dk, dv] if output_chunk_states else [1, 1, 1, 1]
-    io_rows = min(l, 64)  # strided [l, 1, D] reads and writes
+    state_in_shape = [(num_pairs if has_initial_state else 1) * (dk + dv), dv]
+    chunk_states_shape = [chunk_rows, dv] if output_chunk_states else [1, 1]
     vec_rows = min(l, 128)  # the chunk's two-dimensional work
+    io_rows = min(l, 64)  # reads of the inputs
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
     def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any) -> Any:
-        """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads, width]`` as fp32 ``[l, width]``."""
-        pypto.set_vec_tile_shapes(io_rows, 1, 128)
-        tile = pypto.reshape(
-            pypto.view(src, [l, 1, width], [start, head, 0], valid_shape=[rows, 1, width]), [l, width],
-            valid_shape=[rows, width],
-        )
+        """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32 ``[l, width]``.
+
+        A strided two-dimensional view: no reshape, so no copy task of its own."""
+        pypto.set_vec_tile_shapes(io_rows, 128)
+        tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width]) + 0.0
         if input_dtype != "float32":
-            pypto.set_vec_tile_shapes(vec_rows, 128)
             tile = pypto.cast(tile, fp32)
         return tile
 
     @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num})
     def gdr_fwd_kernel(
-        q: pypto.Tensor([tokens, num_qk_heads, dk], in_dt),
-        k: pypto.Tensor([tokens, num_qk_heads, dk], in_dt),
-        v: pypto.Tensor([tokens, num_v_heads, dv], in_dt),
+        q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        k: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        v: pypto.Tensor([tokens, num_v_heads * dv], in_dt),
         g: pypto.Tensor([tokens, num_v_heads], fp32),
         beta: pypto.Tensor([tokens, num_v_heads], fp32),
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
-        masks: pypto.Tensor([n_masks, l, l], fp32),
+        masks: pypto.Tensor([n_masks * l, l], fp32),
         eye_pad_in: pypto.Tensor([dk, dk + dv], fp32),
         state_in: pypto.Tensor(state_in_shape, fp32),
-        o: pypto.Tensor([tokens, num_v_heads, dv], fp32),
-        state_out: pypto.Tensor([num_seqs, num_v_heads, dk, dv], fp32),
+        o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
         chunk_states: pypto.Tensor(chunk_states_shape, fp32),
     ):
         pypto.set_cube_tile_shapes([128, 128], [128, 128], [128, 128])
         mask_tiles = []
         for i in range(n_masks):  # unrolled at trace time
-            pypto.set_vec_tile_shapes(1, io_rows, 128)
-            mask_tiles.append(pypto.reshape(pypto.view(masks, [1, l, l], [i, 0, 0]), [l, l]))
+            pypto.set_vec_tile_shapes(io_rows, 128)
+            mask_tiles.append(pypto.view(masks, [l, l], [i * l, 0]))
         pypto.set_vec_tile_shapes(vec_rows, 128)
         eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
 
@@ -350,10 +356,9 @@ def build_gdr_kernel(
             pypto.set_vec_tile_shapes(vec_rows, 128)
             # "+ 0.0" makes a copy: the state is updated in place below and must not
             # alias (and overwrite) the caller's initial state.
-            state_at = [seq, head, 0, 0] if has_initial_state else [0, 0, 0, 0]
-            state = pypto.reshape(pypto.view(state_in, [1, 1, dk + dv, dv], state_at), [dk + dv, dv]) + 0.0
-            pypto.assemble(pypto.reshape(pypto.view(state, [dk, dv], [0, 0]), [1, 1, dk, dv]), [seq, head, 0, 0],
-                           state_out)
+            state_row = pair * (dk + dv) if has_initial_state else 0
+            state = pypto.view(state_in, [dk + dv, dv], [state_row, 0]) + 0.0
+            pypto.assemble(pypto.view(state, [dk, dv], [0, 0]), [pair * dk, 0], state_out)
             if output_chunk_states:
                 first_row = chunk_offsets[seq]
 
@@ -368,8 +373,8 @@ def build_gdr_kernel(
                 beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
                 if output_chunk_states:
                     pypto.set_vec_tile_shapes(vec_rows, 128)
-                    entering = pypto.reshape(pypto.view(state, [dk, dv], [0, 0]), [1, 1, dk, dv])
-                    pypto.assemble(entering, [first_row + chunk, head, 0, 0], chunk_states)
+                    entering = pypto.view(state, [dk, dv], [0, 0])
+                    pypto.assemble(entering, [((first_row + chunk) * num_v_heads + head) * dk, 0], chunk_states)
                 if pypto.is_loop_end(chunk):
                     q_c = pypto.fillpad(q_c, "constant", 0.0)
                     k_c = pypto.fillpad(k_c, "constant", 0.0)
@@ -384,11 +389,10 @@ def build_gdr_kernel(
                     new_state = pypto.matmul(mb, state, fp32)  # [K, V]
                     pypto.set_vec_tile_shapes(vec_rows, 128)
                     state[0:dk, 0:dv] = new_state
-                    pypto.set_vec_tile_shapes(io_rows, 1, 128)
-                    o_rows = pypto.reshape(o_c, [l, 1, dv], valid_shape=[rows, 1, dv])
-                    pypto.assemble(o_rows, [start, head, 0], o)
+                    pypto.set_vec_tile_shapes(io_rows, 128)
+                    pypto.assemble(pypto.view(o_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], o)
                     pypto.set_vec_tile_shapes(vec_rows, 128)
-                    pypto.assemble(pypto.reshape(new_state, [1, 1, dk, dv]), [seq, head, 0, 0], state_out)
+                    pypto.assemble(new_state, [pair * dk, 0], state_out)
                 else:
                     mb, qo = _chunk_terms(
                         q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
@@ -398,7 +402,7 @@ def build_gdr_kernel(
                     new_state = pypto.matmul(mb, state, fp32)
                     pypto.set_vec_tile_shapes(vec_rows, 128)
                     state[0:dk, 0:dv] = new_state
-                    pypto.set_vec_tile_shapes(io_rows, 1, 128)
-                    pypto.assemble(pypto.reshape(o_c, [l, 1, dv]), [start, head, 0], o)
+                    pypto.set_vec_tile_shapes(io_rows, 128)
+                    pypto.assemble(o_c, [start, head * dv], o)
 
     return gdr_fwd_kernel

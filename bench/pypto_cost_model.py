@@ -3,8 +3,9 @@
 For given packed sequence lengths, heads and head dims, compiles the kernel in stock SIM
 mode (which computes no numbers: it runs pypto's cycle cost model of one launch) and
 prints the total cycles, µs (cycles / 1800, pypto's own conversion), cycles per token,
-the task count and the cube / vector busy shares, all read from the cost model's
-``_simulate.stat.report.txt``. The same input gives the same figures every time.
+the task count and the cube / vector busy shares: the cores' task time over the makespan
+(from ``_simulate.swim.json``) and the compute pipes' usage (from the cost model's
+``_simulate.stat.report.txt``). The same input gives the same figures every time.
 
 Examples::
 
@@ -111,7 +112,7 @@ def forward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
     chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
                     else torch.zeros(1, 1))
     args = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim),
-            augmented_state(s0, w.v_heads, w.head_k_dim, w.head_v_dim),
+            augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
             torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
             chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states]
     return kernel, args
@@ -142,21 +143,36 @@ def output_redirected_to(log: Path) -> Iterator[None]:
 
 
 def _number(pattern: str, text: str) -> float | None:
-    match = re.search(pattern + r"\D*?(\d[\d,]*\.?\d*)", text)
+    match = re.search(pattern, text)
     return None if match is None else float(match.group(1).replace(",", ""))
 
 
 def parse_report(text: str) -> dict[str, float | None]:
-    """The figures this script reports, from a ``_simulate.stat.report.txt``."""
-    cycles = _number(r"Total Cycles", text)
+    """Total cycles, submitted tasks and the average cube / vector pipe usage (% of the
+    makespan), from a ``_simulate.stat.report.txt``."""
+    cycles = _number(r"Total Cycles\D*(\d[\d,]*)", text)
     if cycles is None:
         raise RuntimeError("no 'Total Cycles' in the cost-model report:\n" + text[:2000])
     return dict(
         total_cycles=int(cycles),
-        tasks=_number(r"Total Submit Tasks", text),
-        cube_busy_pct=_number(r"AIC\w*[ _]?[Bb]usy\w*%?", text),
-        vector_busy_pct=_number(r"AIV\w*[ _]?[Bb]usy\w*%?", text),
+        tasks=_number(r"Total Submit Tasks\D*(\d+)", text),
+        cube_pipe_pct=_number(r"Average Cube Usage\D*[\d.]+\s+([\d.]+)%", text),
+        vector_pipe_pct=_number(r"Average Vector Usage\D*[\d.]+\s+([\d.]+)%", text),
     )
+
+
+def core_busy_shares(swim_json: Path) -> dict[str, float]:
+    """Share of the makespan the cube (AIC) and vector (AIV) cores spend running tasks, in %,
+    averaged over the cores of each kind, from the cost model's ``_simulate.swim.json``."""
+    cores = json.loads(swim_json.read_text())
+    spans = [(c["coreType"], t["execStart"], t["execEnd"]) for c in cores for t in c["tasks"]]
+    makespan = max((end for _, _, end in spans), default=0) or 1
+    shares = {}
+    for kind, name in (("AIC", "cube_busy_pct"), ("AIV", "vector_busy_pct")):
+        count = sum(1 for c in cores if c["coreType"] == kind) or 1
+        busy = sum(end - start for core_type, start, end in spans if core_type == kind)
+        shares[name] = round(100.0 * busy / makespan / count, 1)
+    return shares
 
 
 def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> dict[str, Any]:
@@ -172,12 +188,15 @@ def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> d
     if not reports:
         raise RuntimeError(f"the cost model wrote no _simulate.stat.report.txt under {out}")
     figures = parse_report(reports[-1].read_text())
+    swim = reports[-1].parent / "_simulate.swim.json"
+    figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
     cycles = figures["total_cycles"]
     result = dict(
         workload=asdict(w), tokens=w.tokens, chunk_size=w.kernel_chunk(), total_cycles=cycles,
         us=round(cycles / CYCLES_PER_US, 1), cycles_per_token=round(cycles / max(w.tokens, 1), 1),
         tasks=None if figures["tasks"] is None else int(figures["tasks"]),
         cube_busy_pct=figures["cube_busy_pct"], vector_busy_pct=figures["vector_busy_pct"],
+        cube_pipe_pct=figures["cube_pipe_pct"], vector_pipe_pct=figures["vector_pipe_pct"],
         report=str(reports[-1]), compile_and_model_s=round(seconds, 1),
     )
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -186,7 +205,8 @@ def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> d
 
 def format_result(label: str, r: dict[str, Any]) -> str:
     return (f"{label}: {r['total_cycles']:,} cycles, {r['us']:,} us, {r['cycles_per_token']} cycles/token, "
-            f"{r['tasks']} tasks, cube busy {r['cube_busy_pct']}%, vector busy {r['vector_busy_pct']}%, "
+            f"{r['tasks']} tasks, cores busy: cube {r['cube_busy_pct']}%, vector {r['vector_busy_pct']}% "
+            f"(pipes: cube {r['cube_pipe_pct']}%, vector {r['vector_pipe_pct']}%), "
             f"chunk {r['chunk_size']} ({r['compile_and_model_s']} s)")
 
 

@@ -145,10 +145,15 @@ def pypto_chunk_gated_delta_rule_fwd(
         offsets.to(dtype=torch.int32).contiguous(),
         chunk_masks(kernel_chunk).to(device),
         eye_pad(head_k_dim, head_v_dim).to(device),
-        augmented_state(initial_state, num_v_heads, head_k_dim, head_v_dim).to(device).contiguous(),
+        augmented_state(initial_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
         o.view(num_tokens, -1), state_out.view(-1, head_v_dim),
         chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
     ]
+    # The kernel writes the final state of every sequence it runs a chunk of; an empty
+    # sequence keeps its initial state (zeros without one).
+    empty = lengths == 0
+    if initial_state is not None and bool(empty.any()):
+        state_out[empty.to(device)] = initial_state[empty.to(initial_state.device)].to(state_out)
     if on_device:
         kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
     else:

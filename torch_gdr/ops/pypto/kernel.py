@@ -20,9 +20,8 @@ chunk_offsets    ``[N + 1]`` int32          exclusive cumsum of ``ceil(len_n / l
 masks            ``[M * l, l]`` fp32        constant masks, see :func:`chunk_masks`
 eye_pad          ``[K, K + V]`` fp32        constant ``[I_K | 0]``, see :func:`eye_pad`
 state_in         ``[N*HV*(K+V), V]`` fp32   ``[S0; I_V]`` per sequence and head, key-first
-                                            S0 (one ``[0; I]`` ``[K + V, V]`` shared by
-                                            all when ``has_initial_state`` is False); see
-                                            :func:`augmented_state`
+                                            S0; see :func:`augmented_state`. Scratch: the
+                                            kernel carries its state in it, in place
 o                ``[T, HV * V]`` fp32       output
 state_out        ``[N*HV*K, V]`` fp32       final state ``[N, HV, K, V]``, key-first
 chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, HV, K, V]``,
@@ -91,8 +90,8 @@ BASE_BLOCK = 16
 #: pypto's stitch limit: how many loop-body functions one submission holds. A wider
 #: stitch lets the independent (sequence, head) chains and the chunk-parallel work of
 #: later chunks overlap; a launch whose bodies overflow it runs its submissions one after
-#: another. Larger stitches need more device workspace (not yet checked on hardware).
-DEFAULT_STITCH_FUNCTION_MAX_NUM = 256
+#: another. pypto 0.2.0's cost model crashes (segfault) above 128 for many sequences.
+DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 
 # Indices into the chunk_masks tensor.
 MASK_LOWER = 0  # r >= s
@@ -140,25 +139,20 @@ def eye_pad(head_k_dim: int, head_v_dim: int) -> torch.Tensor:
     return out
 
 
-def augmented_state(initial_state: torch.Tensor | None, num_v_heads: int, head_k_dim: int,
-                    head_v_dim: int) -> torch.Tensor:
-    """The kernel's ``state_in``: ``[S0; I_V]`` per sequence and head, fp32.
+def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_heads: int, head_k_dim: int,
+                    head_v_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernel's ``state_in``, a fresh tensor: ``[S0; I_V]`` per sequence and head, fp32.
 
     Args:
         initial_state: ``[N, HV, K, V]`` key-first, any float dtype, or None for zeros.
 
     Returns:
-        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened), or ``[K + V, V]``
-        holding ``[0; I]`` for None.
+        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened); the kernel overwrites it.
     """
-    if initial_state is None:
-        out = torch.zeros(1, 1, head_k_dim + head_v_dim, head_v_dim)
-    else:
-        num_seqs = initial_state.shape[0]
-        out = torch.empty(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=initial_state.device)
+    out = torch.zeros(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=device)
+    if initial_state is not None:
         out[:, :, :head_k_dim] = initial_state
-        out[:, :, head_k_dim:] = 0.0
-    out[:, :, head_k_dim:] += torch.eye(head_v_dim, device=out.device)
+    out[:, :, head_k_dim:] += torch.eye(head_v_dim, device=device)
     return out.view(-1, head_v_dim)
 
 
@@ -282,8 +276,8 @@ def build_gdr_kernel(
         chunk_size: l, 32, 64 or 128 (see :func:`kernel_chunk_size`).
         use_qk_l2norm: l2-normalise q and k per token before use.
         scale: factor applied to q (after the norm).
-        has_initial_state: ``state_in`` holds one ``[S0; I]`` per sequence and head;
-            otherwise a single ``[0; I]`` shared by all.
+        has_initial_state: whether the caller passed an initial state (part of the cache
+            key; the kernel code is the same, ``state_in`` holds ``[0; I]`` without one).
         on_device: run mode NPU (launch on the Ascend device) rather than SIM (CPU; see
             :mod:`.interpreter` for how it yields numbers).
         input_dtype: dtype of q, k, v: "float32", "float16" or "bfloat16".
@@ -307,7 +301,7 @@ def build_gdr_kernel(
     n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
-    state_in_shape = [(num_pairs if has_initial_state else 1) * (dk + dv), dv]
+    state_in_shape = [num_pairs * (dk + dv), dv]
     chunk_states_shape = [chunk_rows, dv] if output_chunk_states else [1, 1]
     vec_rows = min(l, 128)  # the chunk's two-dimensional work
     io_rows = min(l, 64)  # reads of the inputs
@@ -318,12 +312,18 @@ def build_gdr_kernel(
 
         A strided two-dimensional view: no reshape, so no copy task of its own."""
         pypto.set_vec_tile_shapes(io_rows, 128)
-        tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width]) + 0.0
+        tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
+        tile = tile + 0.0
         if input_dtype != "float32":
             tile = pypto.cast(tile, fp32)
         return tile
 
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num})
+    @pypto.frontend.jit(
+        runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
+        # Two vector subgraphs of the same structure per task: half the small vector tasks
+        # (the scheduler's cost per task, not their work, bounds long sequences).
+        pass_options={"vec_nbuffer_setting": {-1: 2}},
+    )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
         k: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
@@ -339,7 +339,9 @@ def build_gdr_kernel(
         state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
         chunk_states: pypto.Tensor(chunk_states_shape, fp32),
     ):
-        pypto.set_cube_tile_shapes([128, 128], [128, 128], [128, 128])
+        # L0 tiles 128 x 128 (64 KiB fp32 per operand); L1 holds 256 along K, so the
+        # [S; I] products (K + V = 256) load their operands once.
+        pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
         mask_tiles = []
         for i in range(n_masks):  # unrolled at trace time
             pypto.set_vec_tile_shapes(io_rows, 128)
@@ -354,11 +356,9 @@ def build_gdr_kernel(
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
-            # "+ 0.0" makes a copy: the state is updated in place below and must not
-            # alias (and overwrite) the caller's initial state.
-            state_row = pair * (dk + dv) if has_initial_state else 0
-            state = pypto.view(state_in, [dk + dv, dv], [state_row, 0]) + 0.0
-            pypto.assemble(pypto.view(state, [dk, dv], [0, 0]), [pair * dk, 0], state_out)
+            # Updated in place: state_in is the host's scratch copy. No copy here keeps the
+            # pair's own body empty, so the chunk bodies alone fill the stitch.
+            state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
             if output_chunk_states:
                 first_row = chunk_offsets[seq]
 
@@ -370,6 +370,7 @@ def build_gdr_kernel(
                 v_c = read_rows(v, dv, head, start, rows)
                 pypto.set_vec_tile_shapes(vec_rows, 128)
                 g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
+
                 beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
                 if output_chunk_states:
                     pypto.set_vec_tile_shapes(vec_rows, 128)

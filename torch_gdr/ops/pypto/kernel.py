@@ -310,13 +310,55 @@ def build_gdr_kernel(
     def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any) -> Any:
         """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32 ``[l, width]``.
 
-        A strided two-dimensional view: no reshape, so no copy task of its own."""
+        A strided two-dimensional view (no reshape), brought on chip by one vector op in
+        64-row tiles: the cast for half inputs, a "+ 0.0" copy for fp32. (Consumed directly
+        by the chunk's 128-row work, the view fails in pypto 0.2.0's runtime model.)"""
         pypto.set_vec_tile_shapes(io_rows, 128)
         tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
-        tile = tile + 0.0
-        if input_dtype != "float32":
-            tile = pypto.cast(tile, fp32)
-        return tile
+        return tile + 0.0 if input_dtype == "float32" else pypto.cast(tile, fp32)
+
+    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any, rows: Any,
+                   tail: bool) -> None:
+        """One chunk of one value head: output rows, the carried state, the chunk-state row.
+
+        Full chunks read their rows as they are; the tail chunk zero-fills past ``rows``
+        and also writes the final state. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
+        tiles, ``[I | 0]``; ``outputs``: o, state_out, chunk_states."""
+        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, mask_tiles, eye_pad_t = inputs
+        o_out, state_out_out, chunk_states_out = outputs
+        pair = seq * num_v_heads + head
+        qk_head = head // group
+        q_c = read_rows(q_in, dk, qk_head, start, rows)
+        k_c = read_rows(k_in, dk, qk_head, start, rows)
+        v_c = read_rows(v_in, dv, head, start, rows)
+        pypto.set_vec_tile_shapes(vec_rows, 128)
+        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        if output_chunk_states:
+            entering = pypto.view(state, [dk, dv], [0, 0])
+            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
+                           chunk_states_out)
+        if tail:
+            q_c = pypto.fillpad(q_c, "constant", 0.0)
+            k_c = pypto.fillpad(k_c, "constant", 0.0)
+            v_c = pypto.fillpad(v_c, "constant", 0.0)
+            g_c = pypto.fillpad(g_c, "constant", 0.0)
+            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        mb, qo = _chunk_terms(
+            q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
+        )
+        o_c = pypto.matmul(qo, state, fp32)  # [l, V]
+        new_state = pypto.matmul(mb, state, fp32)  # [K, V]
+        pypto.set_vec_tile_shapes(vec_rows, 128)
+        state[0:dk, 0:dv] = new_state
+        pypto.set_vec_tile_shapes(io_rows, 128)
+        if tail:
+            pypto.assemble(pypto.view(o_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], o_out)
+            pypto.set_vec_tile_shapes(vec_rows, 128)
+            pypto.assemble(new_state, [pair * dk, 0], state_out_out)
+        else:
+            pypto.assemble(o_c, [start, head * dv], o_out)
 
     @pypto.frontend.jit(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
@@ -352,58 +394,21 @@ def build_gdr_kernel(
         for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
             seq = pair // num_v_heads
             head = pair % num_v_heads
-            qk_head = head // group
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
             # Updated in place: state_in is the host's scratch copy. No copy here keeps the
-            # pair's own body empty, so the chunk bodies alone fill the stitch.
+            # pair's own body empty. (Several heads per body, or reading the inputs without
+            # the "+ 0.0" copy, fail in pypto 0.2.0's runtime model: F74007.)
             state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
-            if output_chunk_states:
-                first_row = chunk_offsets[seq]
-
+            inputs = [q, k, v, g, beta, chunk_offsets, mask_tiles, eye_pad_t]
+            outputs = [o, state_out, chunk_states]
             for chunk in pypto.loop((seq_len + l - 1) // l, name="LOOP_CHUNK", idx_name="chunk"):
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                q_c = read_rows(q, dk, qk_head, start, rows)
-                k_c = read_rows(k, dk, qk_head, start, rows)
-                v_c = read_rows(v, dv, head, start, rows)
-                pypto.set_vec_tile_shapes(vec_rows, 128)
-                g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
-
-                beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
-                if output_chunk_states:
-                    pypto.set_vec_tile_shapes(vec_rows, 128)
-                    entering = pypto.view(state, [dk, dv], [0, 0])
-                    pypto.assemble(entering, [((first_row + chunk) * num_v_heads + head) * dk, 0], chunk_states)
-                if pypto.is_loop_end(chunk):
-                    q_c = pypto.fillpad(q_c, "constant", 0.0)
-                    k_c = pypto.fillpad(k_c, "constant", 0.0)
-                    v_c = pypto.fillpad(v_c, "constant", 0.0)
-                    g_c = pypto.fillpad(g_c, "constant", 0.0)
-                    beta_c = pypto.fillpad(beta_c, "constant", 0.0)
-                    mb, qo = _chunk_terms(
-                        q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
-                        scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
-                    )
-                    o_c = pypto.matmul(qo, state, fp32)  # [l, V]
-                    new_state = pypto.matmul(mb, state, fp32)  # [K, V]
-                    pypto.set_vec_tile_shapes(vec_rows, 128)
-                    state[0:dk, 0:dv] = new_state
-                    pypto.set_vec_tile_shapes(io_rows, 128)
-                    pypto.assemble(pypto.view(o_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], o)
-                    pypto.set_vec_tile_shapes(vec_rows, 128)
-                    pypto.assemble(new_state, [pair * dk, 0], state_out)
+                if pypto.is_loop_end(chunk):  # the last chunk: maybe short; it writes the final state
+                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True)
                 else:
-                    mb, qo = _chunk_terms(
-                        q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
-                        scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
-                    )
-                    o_c = pypto.matmul(qo, state, fp32)
-                    new_state = pypto.matmul(mb, state, fp32)
-                    pypto.set_vec_tile_shapes(vec_rows, 128)
-                    state[0:dk, 0:dv] = new_state
-                    pypto.set_vec_tile_shapes(io_rows, 128)
-                    pypto.assemble(o_c, [start, head * dv], o)
+                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False)
 
     return gdr_fwd_kernel

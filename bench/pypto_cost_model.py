@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,7 +83,8 @@ class Workload:
     def kernel_chunk(self) -> int:
         if self.chunk_size is not None:
             return self.chunk_size
-        return kernel_chunk_size(self.head_k_dim, self.head_v_dim, max(self.lens, default=0))
+        return kernel_chunk_size(self.head_k_dim, self.head_v_dim, max(self.lens, default=0),
+                                 num_seqs=len(self.lens), num_v_heads=self.v_heads)
 
 
 #: ``launch(workload) -> (kernel, args)``: a kernel built in SIM run mode and its arguments.
@@ -210,14 +212,35 @@ def format_result(label: str, r: dict[str, Any]) -> str:
             f"chunk {r['chunk_size']} ({r['compile_and_model_s']} s)")
 
 
-def suite_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
-    """A markdown table of suite results."""
+def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
+    """A markdown table of suite results (None: the run failed)."""
     lines = ["| input | cycles | µs | cycles/token | tasks | cube busy % | vector busy % | chunk |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in rows:
+        if r is None:
+            lines.append(f"| {label} | failed | | | | | | |")
+            continue
         lines.append(f"| {label} | {r['total_cycles']:,} | {r['us']:,} | {r['cycles_per_token']} | {r['tasks']} | "
                      f"{r['cube_busy_pct']} | {r['vector_busy_pct']} | {r['chunk_size']} |")
     return "\n".join(lines)
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def _common_flags(args: argparse.Namespace) -> list[str]:
+    """The workload flags of ``args`` other than the lengths, to pass on to a child run."""
+    flags = ["--heads", str(args.heads), "--v-heads", str(args.v_heads), "--head-dim", str(args.head_dim),
+             "--dtype", args.dtype]
+    for name, value in (("--head-v-dim", args.head_v_dim), ("--chunk", args.chunk), ("--stitch", args.stitch)):
+        if value is not None:
+            flags += [name, str(value)]
+    for name, on in (("--no-initial-state", args.no_initial_state), ("--no-l2norm", args.no_l2norm),
+                     ("--chunk-states", args.chunk_states), ("--backward", args.backward)):
+        if on:
+            flags.append(name)
+    return flags
 
 
 @contextlib.contextmanager
@@ -271,11 +294,17 @@ def main(argv: list[str] | None = None) -> None:
             print(format_result(f"lens={args.lens if len(w.lens) < 5 else f'{len(w.lens)}x{w.lens[0]}'}", result))
             return
         rows = []
-        for label, lens in SUITE:
-            w = Workload(lens=lens, **common)
-            result = run_cost_model(w, root / label.replace(" ", ""), launch)
-            print(format_result(label, result), flush=True)
-            rows.append((label, result))
+        for label, lens in SUITE:  # one process each: a crash in pypto loses one row, not the table
+            out = root / label.replace(" ", "")
+            command = [sys.executable, os.path.abspath(__file__), "--lens", ",".join(map(str, lens)),
+                       "--out", str(out), *_common_flags(args)]
+            status = subprocess.run(command, env={**os.environ, "PYTHONPATH": _repo_root()}, check=False).returncode
+            result_file = out / "result.json"
+            if status != 0 or not result_file.exists():
+                print(f"{label}: failed (exit status {status})", flush=True)
+                rows.append((label, None))
+                continue
+            rows.append((label, json.loads(result_file.read_text())))
         kind = "backward" if args.backward else "forward"
         title = (f"\n### PyPTO {kind} kernel, cost model (pypto 0.2.0 stock SIM, A2A3), "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"

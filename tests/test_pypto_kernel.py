@@ -100,8 +100,8 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
 
 @pytest.mark.parametrize(
     "lens, chunk_size",
-    [([128], 64), ([130], 64), ([40], 64), ([20], 64)],
-    ids=["aligned_T128_kernel_l128", "unaligned_T130_kernel_l128", "T40_kernel_l64", "T20_kernel_l32"],
+    [([128], 64), ([130], 64), ([20], 64)],
+    ids=["aligned_T128_kernel_l64", "unaligned_T130_kernel_l64", "T20_kernel_l32"],
 )
 def test_single_sequence(lens: list[int], chunk_size: int) -> None:
     assert_close_to_reference(make_inputs(lens), chunk_size=chunk_size, use_qk_l2norm=True)
@@ -162,7 +162,7 @@ def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_stat
         *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
         scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=64, output_chunk_states=True,
     )
-    chunk_size = kernel_chunk_size(64, 64, 150)
+    chunk_size = kernel_chunk_size(64, 64, 150, num_seqs=3, num_v_heads=2)
     assert chunk_size == 128
     assert chunk_offsets(inputs["cu_seqlens"], chunk_size).tolist() == [0, 2, 2, 3]
     assert chunk_states.shape == (3, 2, 64, 64) and chunk_states.dtype == torch.float32
@@ -183,16 +183,21 @@ def test_chunk_offsets_count_ceil_len_over_chunk(lens: list[int], chunk_size: in
     assert chunk_offsets(cu_seqlens, chunk_size).tolist() == expected
 
 
-@pytest.mark.parametrize(("max_seqlen", "expected"), [(0, 32), (17, 32), (32, 32), (33, 64), (64, 64),
-                                                      (65, 128), (5000, 128)])
-def test_kernel_chunk_size_is_the_shortest_covering_chunk_up_to_128(max_seqlen: int, expected: int) -> None:
-    assert kernel_chunk_size(128, 128, max_seqlen) == expected
-    assert kernel_chunk_size(64, 128, max_seqlen) == expected
+@pytest.mark.parametrize(
+    ("max_seqlen", "num_seqs", "num_v_heads", "expected"),
+    [(0, 1, 4, 32), (17, 2, 4, 32), (32, 1, 4, 32), (33, 16, 4, 64), (64, 16, 32, 64),  # one chunk holds all
+     (256, 1, 4, 64), (65, 2, 2, 64),  # small launches (at most 16 bodies of 64): 64
+     (256, 16, 4, 128), (257, 1, 4, 128), (5000, 1, 1, 128)],
+)
+def test_kernel_chunk_size(max_seqlen: int, num_seqs: int, num_v_heads: int, expected: int) -> None:
+    for head_k_dim, head_v_dim in ((128, 128), (64, 128)):
+        got = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen, num_seqs=num_seqs, num_v_heads=num_v_heads)
+        assert got == expected
 
 
 def test_kernel_chunk_size_rejects_unsupported_head_dims() -> None:
     with pytest.raises(ValueError, match="head dims"):
-        kernel_chunk_size(96, 128, 100)
+        kernel_chunk_size(96, 128, 100, num_seqs=1, num_v_heads=1)
 
 
 @pytest.mark.parametrize("gate", [0.0, -30.0], ids=["no_decay", "strong_decay"])

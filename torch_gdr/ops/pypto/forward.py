@@ -77,7 +77,7 @@ def pypto_chunk_gated_delta_rule_fwd(
         initial_state: ``[N, HV, K, V]`` key-first, or None for zeros.
         scale: factor on q. use_qk_l2norm_in_kernel: l2-normalise q and k first.
         chunk_size: the caller's chunk length, checked for validity only: the kernel runs
-            with its own, :func:`.kernel.kernel_chunk_size` of the longest sequence.
+            with its own, ``kernel_chunk_size(K, V, max_seqlen, num_seqs=N, num_v_heads=HV)``.
         output_chunk_states: also return the state entering every kernel chunk.
         kernel_getter: returns the kernel for a configuration; defaults to the compiled
             kernel cache of :mod:`torch_gdr.dispatch.kernel_cache`.
@@ -86,7 +86,8 @@ def pypto_chunk_gated_delta_rule_fwd(
         ``o [T, HV, V]`` fp32, the final state ``[N, HV, K, V]`` fp32 key-first, and
         ``chunk_states [C, HV, K, V]`` fp32 key-first (None unless asked for): row
         ``chunk_offsets(cu_seqlens, l)[n] + c`` is the state entering chunk c of sequence
-        n, with ``l = kernel_chunk_size(K, V, max_seqlen)``.
+        n, with ``l = kernel_chunk_size(K, V, max_seqlen, num_seqs=N, num_v_heads=HV)``
+        (:func:`.kernel.kernel_chunk_size`).
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first=False)
     if q.dim() != 3:
@@ -102,7 +103,8 @@ def pypto_chunk_gated_delta_rule_fwd(
     num_seqs = cu_seqlens.numel() - 1
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     max_seqlen = int(lengths.max()) if num_seqs else 0
-    kernel_chunk = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen)
+    kernel_chunk = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen, num_seqs=num_seqs,
+                                     num_v_heads=num_v_heads)
     offsets = chunk_offsets(cu_seqlens.to(device), kernel_chunk)
     num_chunks = int(offsets[-1])
 

@@ -102,19 +102,33 @@ MASK_OFF_BLOCKS = 4  # strictly lower, outside the 16 x 16 diagonal blocks
 NUM_MASKS = 5
 
 
-def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int) -> int:
+#: A launch with at most this many (sequence, value head, chunk of 64) bodies runs faster at
+#: chunk 64 than at 128 (the first chunk's latency bounds it; measured: one sequence of 256
+#: tokens, 4 value heads). Above it, the scheduler's cost per task favours 128.
+SMALL_LAUNCH_BODIES = 16
+
+
+def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_seqs: int,
+                      num_v_heads: int) -> int:
     """The chunk length the kernel runs with, chosen for speed on the device.
 
-    128 (full 128 x 128 cube tiles, half the serial chunk steps of 64) unless every
-    sequence fits a shorter chunk, which then wastes less padded work. The result does not
-    depend on the chunk length up to rounding. Head dims are part of the signature for
-    configurations where the best choice would differ; for K, V in {64, 128} it does not.
+    128 (full 128 x 128 cube tiles, half the serial chunk steps of 64), except: every
+    sequence fits a shorter chunk (32 or 64), or the launch is small enough that the
+    first chunk's latency bounds it (see ``SMALL_LAUNCH_BODIES``), then 64. The result
+    does not depend on the chunk length up to rounding; ``chunk_states`` rows do (see
+    :func:`.forward.chunk_offsets`), so a consumer of them must ask with the same
+    arguments as the forward call: its K, V, longest sequence, sequence count and HV.
     """
     if head_k_dim not in SUPPORTED_HEAD_DIMS or head_v_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dims K={head_k_dim}, V={head_v_dim}: expected values in {SUPPORTED_HEAD_DIMS}")
-    if max_seqlen < 0:
-        raise ValueError(f"max_seqlen: expected >= 0, got {max_seqlen}")
-    return next(size for size in SUPPORTED_CHUNK_SIZES if size >= min(max_seqlen, SUPPORTED_CHUNK_SIZES[-1]))
+    if max_seqlen < 0 or num_seqs < 0 or num_v_heads <= 0:
+        raise ValueError(f"max_seqlen={max_seqlen}, num_seqs={num_seqs}, num_v_heads={num_v_heads}: expected "
+                         f"max_seqlen >= 0, num_seqs >= 0, num_v_heads > 0")
+    covering = next((size for size in SUPPORTED_CHUNK_SIZES if size >= max_seqlen), SUPPORTED_CHUNK_SIZES[-1])
+    if covering < 128:
+        return covering
+    bodies_at_64 = num_seqs * num_v_heads * -(-max_seqlen // 64)
+    return 64 if bodies_at_64 <= SMALL_LAUNCH_BODIES else 128
 
 
 def num_block_levels(chunk_size: int) -> int:

@@ -62,11 +62,16 @@ intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequent
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 
-Tile shapes fit an Ascend 910B core: cube tiles up to 128 x 128 (fp32: 64 KiB per operand
-in L1, L0A/L0B 64 KiB, L0C 128 KiB); vector tiles of 128 x 128 fp32 (64 KiB) for the
-chunk's work (the unified buffer holds 192 KiB). Inputs and the output are read and
-written as strided two-dimensional views of ``[T, heads * D]``, which needs no reshape
-(a reshape of a three-dimensional view is a copy task of its own).
+Tile shapes fit an Ascend 910B core: cube L0 tiles of 128 x 128 (fp32: 64 KiB per operand
+in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 fp32
+(64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
+buffer holds 192 KiB).
+
+What bounds it in pypto 0.2.0's cost model: the scheduler's cost per task (several
+thousand cycles between dependent tasks, and between tasks on one core even with ready
+work queued), hence the push for fewer, larger tasks; for a long sequence, the stitch
+window (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` loop bodies per submission; submissions run
+one after another, each ending on a serial chunk chain).
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script belongs to
+
 from torch_gdr.ops.pypto._env import cache_dir, import_pypto, redirected_output
 from torch_gdr.ops.pypto.forward import chunk_offsets
 from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size
@@ -225,10 +227,6 @@ def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
     return "\n".join(lines)
 
 
-def _repo_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
-
-
 def _common_flags(args: argparse.Namespace) -> list[str]:
     """The workload flags of ``args`` other than the lengths, to pass on to a child run."""
     flags = ["--heads", str(args.heads), "--v-heads", str(args.v_heads), "--head-dim", str(args.head_dim),
@@ -298,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             out = root / label.replace(" ", "")
             command = [sys.executable, os.path.abspath(__file__), "--lens", ",".join(map(str, lens)),
                        "--out", str(out), *_common_flags(args)]
-            status = subprocess.run(command, env={**os.environ, "PYTHONPATH": _repo_root()}, check=False).returncode
+            status = subprocess.run(command, check=False).returncode
             result_file = out / "result.json"
             if status != 0 or not result_file.exists():
                 print(f"{label}: failed (exit status {status})", flush=True)

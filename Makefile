@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test test-slow bench bench-baseline bench-compare clean
+.PHONY: run test test-slow bench bench-baseline bench-compare bench-npu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,15 @@ bench-baseline: $(VENV)/.installed
 bench-compare: $(VENV)/.installed
 	$(BENCH_ENV) $(PY) -m pytest bench $(BENCH_FLAGS) --benchmark-compare='*_baseline' \
 		--benchmark-compare-fail=$(BENCH_FAIL)
+
+# The PyPTO kernel in pypto's cost model (stock SIM, Ascend 910B): T = 256, 1024, 4096,
+# 16384, 16 x 256 and 16 x 1024 (H=2, HV=4, K=V=128, fp32, l2norm, initial state); appends
+# the table to bench/RESULTS.md. Minutes per row on a loaded machine. BENCH_NPU_FLAGS adds
+# options (e.g. --out DIR to keep pypto's SIM output, --dtype bfloat16).
+BENCH_NPU_FLAGS ?=
+
+bench-npu: $(VENV)/.installed
+	OMP_NUM_THREADS=1 nice -n 10 $(PY) bench/pypto_cost_model.py --suite --append bench/RESULTS.md $(BENCH_NPU_FLAGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

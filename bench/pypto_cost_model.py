@@ -1,104 +1,149 @@
-"""Measure the PyPTO GDR kernel on the default workload.
+"""Time the PyPTO GDR kernels with pypto's cost model (stock SIM, Ascend 910B "A2A3").
 
-Reports, for packed sequences of lengths [300, 17, 0, 130] (T = 447), H = 2, HV = 4,
-K = V = 128, l = 64, with an initial state:
+For given packed sequence lengths, heads and head dims, compiles the kernel in stock SIM
+mode (which computes no numbers: it runs pypto's cycle cost model of one launch) and
+prints the total cycles, µs (cycles / 1800, pypto's own conversion), cycles per token,
+the task count and the cube / vector busy shares: the cores' task time over the makespan
+(from ``_simulate.swim.json``) and the compute pipes' usage (from the cost model's
+``_simulate.stat.report.txt``). The same input gives the same figures every time.
 
-* the CPU interpreter: time of the first call (includes the trace) and of later calls, and
-  the max abs error against the float64 recurrence;
-* pypto's cost model (stock SIM mode, an Ascend 910B "A2A3" model): "Total Cycles" of one
-  launch from ``CostModelSimulationOutput/_simulate.stat.report.txt`` and the time in µs
-  (cycles / 1800, pypto's own conversion), plus how long the SIM compile took.
+Examples::
 
-Every file PyPTO writes goes to a temporary directory under the torch_gdr cache, removed
-at the end. Run: ``PYTHONPATH=. python bench/pypto_cost_model.py [--head-dim 64]``.
+    python bench/pypto_cost_model.py --lens 4096 --heads 2 --v-heads 4 --head-dim 128 --out /tmp/cm
+    python bench/pypto_cost_model.py --lens 256,256,256,256 --chunk 64 --out /tmp/cm16
+    python bench/pypto_cost_model.py --suite --append bench/RESULTS.md --out /tmp/cm_suite
 
-Measured (pypto 0.2.0, torch 2.13.0 CPU, 2 shared x86-64 cores under load 2-6, so the
-wall times are noisy; the cycle counts are deterministic):
+``--out DIR`` keeps pypto's SIM output (``CostModelSimulationOutput/`` with the stat
+report and the per-core swim lanes) under DIR and writes ``DIR/result.json``. Without
+``--out`` everything goes to a temporary folder under the torch_gdr cache, removed at the
+end. A compile plus cost model takes minutes at T = 16384 on a loaded machine.
 
-=============  ====================  ===================  ==================  ===========
-K = V          interpreter / call    SIM compile + model  total cycles        µs (/1800)
-=============  ====================  ===================  ==================  ===========
-128            2.2-8 s               2.2-6.8 s            617,054             342.8
-64             1.3-2.2 s             2.8-3.5 s            472,362             262.4
-=============  ====================  ===================  ==================  ===========
-
-Max abs error against the float64 recurrence: 1.5e-7 (o), 1.2e-6 (final state) at 128.
+Kernels: :func:`forward_launch` builds the forward kernel and its arguments;
+``--backward`` uses :data:`BACKWARD_LAUNCH`, a slot for the backward kernel's builder
+(None until that kernel exists).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from torch_gdr.ops.pypto import kernel_cache
-from torch_gdr.ops.pypto._env import import_pypto, redirected_output, scratch_dir
-from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd
-from torch_gdr.ops.pypto.kernel import build_gdr_kernel, chunk_masks
-from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script belongs to
+
+from torch_gdr.ops.pypto._env import cache_dir, import_pypto, redirected_output
+from torch_gdr.ops.pypto.backward import build_bwd_for_cost_model
+from torch_gdr.ops.pypto.forward import chunk_offsets
+from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size
 
 CYCLES_PER_US = 1800.0
-DEFAULT_LENS = (300, 17, 0, 130)
+#: ``make bench-npu``: (label, lengths). H=2, HV=4, K=V=128, l2norm and initial state on.
+SUITE: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("T=256", (256,)),
+    ("T=1024", (1024,)),
+    ("T=4096", (4096,)),
+    ("T=16384", (16384,)),
+    ("16 x 256", (256,) * 16),
+    ("16 x 1024", (1024,) * 16),
+)
 
 
-def make_workload(lens: tuple[int, ...], heads: int, v_heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Workload:
+    """One cost-model input: packed sequences and the kernel configuration."""
+
+    lens: tuple[int, ...]
+    heads: int = 2
+    v_heads: int = 4
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    chunk_size: int | None = None  # None: the kernel's own choice (kernel_chunk_size)
+    dtype: str = "float32"
+    initial_state: bool = True
+    l2norm: bool = True
+    chunk_states: bool = False
+    stitch: int | None = None  # pypto's stitch_function_max_num; None: the kernel's default
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lens)
+
+    def kernel_chunk(self) -> int:
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return kernel_chunk_size(self.head_k_dim, self.head_v_dim, max(self.lens, default=0),
+                                 num_seqs=len(self.lens), num_v_heads=self.v_heads)
+
+
+#: ``launch(workload) -> (kernel, args)``: a kernel built in SIM run mode and its arguments.
+Launch = Callable[[Workload], tuple[Any, list[torch.Tensor]]]
+
+
+def forward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
+    """The forward kernel for ``w`` and its arguments (random inputs, realistic gates)."""
     gen = torch.Generator().manual_seed(0)
-    t = sum(lens)
-    return dict(
-        q=torch.randn(t, heads, head_dim, generator=gen),
-        k=torch.randn(t, heads, head_dim, generator=gen),
-        v=torch.randn(t, v_heads, head_dim, generator=gen),
-        g=F.logsigmoid(torch.randn(t, v_heads, generator=gen)),
-        beta=torch.sigmoid(torch.randn(t, v_heads, generator=gen)),
-        cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        initial_state=0.5 * torch.randn(len(lens), v_heads, head_dim, head_dim, generator=gen),
+    t, n = w.tokens, len(w.lens)
+    dtype = getattr(torch, w.dtype)
+    chunk = w.kernel_chunk()
+    q = torch.randn(t, w.heads, w.head_k_dim, generator=gen).to(dtype)
+    k = torch.randn(t, w.heads, w.head_k_dim, generator=gen).to(dtype)
+    v = torch.randn(t, w.v_heads, w.head_v_dim, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(t, w.v_heads, generator=gen))
+    beta = torch.sigmoid(torch.randn(t, w.v_heads, generator=gen))
+    cu_seqlens = torch.tensor([0, *torch.tensor(w.lens).cumsum(0).tolist()], dtype=torch.int32)
+    s0 = 0.5 * torch.randn(n, w.v_heads, w.head_k_dim, w.head_v_dim, generator=gen) if w.initial_state else None
+    offsets = chunk_offsets(cu_seqlens, chunk)
+    kernel = build_gdr_kernel(
+        num_seqs=n, num_qk_heads=w.heads, num_v_heads=w.v_heads, head_k_dim=w.head_k_dim,
+        head_v_dim=w.head_v_dim, chunk_size=chunk, use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5,
+        has_initial_state=w.initial_state, input_dtype=w.dtype, output_chunk_states=w.chunk_states,
+        **({} if w.stitch is None else {"stitch_function_max_num": w.stitch}),
     )
+    chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
+                    else torch.zeros(1, 1))
+    args = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim),
+            augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
+            torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
+            chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states]
+    return kernel, args
 
 
-def time_interpreter(w: dict[str, torch.Tensor], chunk_size: int, repeats: int) -> dict[str, float]:
-    names = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")
-    scale = w["q"].shape[-1] ** -0.5
-    kernel_cache.cache_clear()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        o, state = pypto_chunk_gated_delta_rule_fwd(
-            *(w[n] for n in names), scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size
-        )
-        times.append(time.perf_counter() - t0)
-    ref_o, ref_state = naive_recurrent_gated_delta_rule(
-        *(w[n].double().unsqueeze(0) for n in ("q", "k", "v", "g", "beta")), scale=scale,
-        initial_state=w["initial_state"].double(), use_qk_l2norm_in_kernel=True, cu_seqlens=w["cu_seqlens"].long(),
-    )
-    ref_o = ref_o[0]
-    info = kernel_cache.cache_info()
-    return dict(
-        first_call_s=times[0],
-        later_call_s=sum(times[1:]) / max(1, len(times) - 1),
-        max_err_o=float((o.double() - ref_o).abs().max()),
-        max_err_state=float((state.double() - ref_state).abs().max()),
-        cache_hits=info.hits,
-        cache_misses=info.misses,
-    )
+def backward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
+    """The backward kernel for ``w`` (the forward's kernel chunk size) and its arguments."""
+    return build_bwd_for_cost_model(list(w.lens), heads=w.heads, v_heads=w.v_heads, head_k_dim=w.head_k_dim,
+                                    head_v_dim=w.head_v_dim, chunk_size=w.kernel_chunk(),
+                                    has_initial_state=w.initial_state)
+
+
+#: The backward kernel's launch: same contract as :func:`forward_launch`.
+BACKWARD_LAUNCH: Launch | None = backward_launch
 
 
 @contextlib.contextmanager
-def silenced_output() -> Iterator[None]:
-    """Silence fds 1 and 2: pypto's cost-model plotting scripts print there (and fail
-    noisily without matplotlib); pypto's own errors still surface as Python exceptions."""
+def output_redirected_to(log: Path) -> Iterator[None]:
+    """Send fds 1 and 2 to ``log``: pypto's cost-model plotting scripts print there;
+    pypto's own errors still surface as Python exceptions."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with open(os.devnull, "w") as devnull:
+    with open(log, "w") as sink:
         for fd in saved:
-            os.dup2(devnull.fileno(), fd)
+            os.dup2(sink.fileno(), fd)
         try:
             yield
         finally:
@@ -109,51 +154,174 @@ def silenced_output() -> Iterator[None]:
                 os.close(copy)
 
 
-def cost_model(w: dict[str, torch.Tensor], chunk_size: int) -> dict[str, float]:
-    """Compile in stock SIM mode and read the cost model's total cycles."""
-    import_pypto()
-    num_tokens, heads, head_dim = w["q"].shape
-    v_heads = w["v"].shape[1]
-    kernel = build_gdr_kernel(
-        num_seqs=w["cu_seqlens"].numel() - 1, num_qk_heads=heads, num_v_heads=v_heads,
-        head_k_dim=head_dim, head_v_dim=head_dim, chunk_size=chunk_size, use_qk_l2norm=True,
-        scale=head_dim ** -0.5, has_initial_state=True,
-    )
-    o = torch.zeros(num_tokens, v_heads, head_dim)
-    state = torch.zeros_like(w["initial_state"])
-    args = [w["q"], w["k"], w["v"], w["g"], w["beta"], w["cu_seqlens"], chunk_masks(chunk_size),
-            w["initial_state"], o, state]
-    with scratch_dir("costmodel_") as scratch, redirected_output(scratch):
-        t0 = time.perf_counter()
-        with silenced_output():
-            kernel(*args)
-        seconds = time.perf_counter() - t0
-        reports = sorted(scratch.rglob("_simulate.stat.report.txt"))
-        if not reports:
-            raise RuntimeError("the cost model wrote no _simulate.stat.report.txt")
-        text = reports[-1].read_text()
-    match = re.search(r"Total Cycles\D*(\d[\d,]*)", text)
-    if match is None:
+def _number(pattern: str, text: str) -> float | None:
+    match = re.search(pattern, text)
+    return None if match is None else float(match.group(1).replace(",", ""))
+
+
+def parse_report(text: str) -> dict[str, float | None]:
+    """Total cycles, submitted tasks and the average cube / vector pipe usage (% of the
+    makespan), from a ``_simulate.stat.report.txt``."""
+    cycles = _number(r"Total Cycles\D*(\d[\d,]*)", text)
+    if cycles is None:
         raise RuntimeError("no 'Total Cycles' in the cost-model report:\n" + text[:2000])
-    cycles = int(match.group(1).replace(",", ""))
-    return dict(sim_compile_and_model_s=seconds, total_cycles=cycles, total_us=cycles / CYCLES_PER_US)
+    return dict(
+        total_cycles=int(cycles),
+        tasks=_number(r"Total Submit Tasks\D*(\d+)", text),
+        cube_pipe_pct=_number(r"Average Cube Usage\D*[\d.]+\s+([\d.]+)%", text),
+        vector_pipe_pct=_number(r"Average Vector Usage\D*[\d.]+\s+([\d.]+)%", text),
+    )
 
 
-def main() -> None:
+def core_busy_shares(swim_json: Path) -> dict[str, float]:
+    """Share of the makespan the cube (AIC) and vector (AIV) cores spend running tasks, in %,
+    averaged over the cores of each kind, from the cost model's ``_simulate.swim.json``."""
+    cores = json.loads(swim_json.read_text())
+    spans = [(c["coreType"], t["execStart"], t["execEnd"]) for c in cores for t in c["tasks"]]
+    makespan = max((end for _, _, end in spans), default=0) or 1
+    shares = {}
+    for kind, name in (("AIC", "cube_busy_pct"), ("AIV", "vector_busy_pct")):
+        count = sum(1 for c in cores if c["coreType"] == kind) or 1
+        busy = sum(end - start for core_type, start, end in spans if core_type == kind)
+        shares[name] = round(100.0 * busy / makespan / count, 1)
+    return shares
+
+
+def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> dict[str, Any]:
+    """Compile ``launch(w)`` in stock SIM mode with its output under ``out``; return the figures."""
+    import_pypto()
+    out.mkdir(parents=True, exist_ok=True)
+    kernel, args = launch(w)
+    t0 = time.perf_counter()
+    with redirected_output(out), output_redirected_to(out / "pypto_stdout.log"):
+        kernel(*args)
+    seconds = time.perf_counter() - t0
+    reports = sorted(out.rglob("_simulate.stat.report.txt"), key=lambda p: p.stat().st_mtime)
+    if not reports:
+        raise RuntimeError(f"the cost model wrote no _simulate.stat.report.txt under {out}")
+    figures = parse_report(reports[-1].read_text())
+    swim = reports[-1].parent / "_simulate.swim.json"
+    figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
+    cycles = figures["total_cycles"]
+    result = dict(
+        workload=asdict(w), tokens=w.tokens, chunk_size=w.kernel_chunk(), total_cycles=cycles,
+        us=round(cycles / CYCLES_PER_US, 1), cycles_per_token=round(cycles / max(w.tokens, 1), 1),
+        tasks=None if figures["tasks"] is None else int(figures["tasks"]),
+        cube_busy_pct=figures["cube_busy_pct"], vector_busy_pct=figures["vector_busy_pct"],
+        cube_pipe_pct=figures["cube_pipe_pct"], vector_pipe_pct=figures["vector_pipe_pct"],
+        report=str(reports[-1]), compile_and_model_s=round(seconds, 1),
+    )
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def format_result(label: str, r: dict[str, Any]) -> str:
+    return (f"{label}: {r['total_cycles']:,} cycles, {r['us']:,} us, {r['cycles_per_token']} cycles/token, "
+            f"{r['tasks']} tasks, cores busy: cube {r['cube_busy_pct']}%, vector {r['vector_busy_pct']}% "
+            f"(pipes: cube {r['cube_pipe_pct']}%, vector {r['vector_pipe_pct']}%), "
+            f"chunk {r['chunk_size']} ({r['compile_and_model_s']} s)")
+
+
+def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
+    """A markdown table of suite results (None: the run failed)."""
+    lines = ["| input | cycles | µs | cycles/token | tasks | cube busy % | vector busy % | chunk |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, r in rows:
+        if r is None:
+            lines.append(f"| {label} | failed | | | | | | |")
+            continue
+        lines.append(f"| {label} | {r['total_cycles']:,} | {r['us']:,} | {r['cycles_per_token']} | {r['tasks']} | "
+                     f"{r['cube_busy_pct']} | {r['vector_busy_pct']} | {r['chunk_size']} |")
+    return "\n".join(lines)
+
+
+def _common_flags(args: argparse.Namespace) -> list[str]:
+    """The workload flags of ``args`` other than the lengths, to pass on to a child run."""
+    flags = ["--heads", str(args.heads), "--v-heads", str(args.v_heads), "--head-dim", str(args.head_dim),
+             "--dtype", args.dtype]
+    for name, value in (("--head-v-dim", args.head_v_dim), ("--chunk", args.chunk), ("--stitch", args.stitch)):
+        if value is not None:
+            flags += [name, str(value)]
+    for name, on in (("--no-initial-state", args.no_initial_state), ("--no-l2norm", args.no_l2norm),
+                     ("--chunk-states", args.chunk_states), ("--backward", args.backward)):
+        if on:
+            flags.append(name)
+    return flags
+
+
+@contextlib.contextmanager
+def output_root(out: str | None) -> Iterator[Path]:
+    if out is not None:
+        yield Path(out)
+        return
+    root = cache_dir() / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="costmodel_", dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    parser.add_argument("--chunk-size", type=int, default=64, choices=(32, 64, 128))
-    parser.add_argument("--repeats", type=int, default=3, help="interpreter calls to time")
-    parser.add_argument("--skip-interpreter", action="store_true")
-    args = parser.parse_args()
-    w = make_workload(DEFAULT_LENS, heads=2, v_heads=4, head_dim=args.head_dim)
-    print(f"workload: lens={list(DEFAULT_LENS)} T={sum(DEFAULT_LENS)} H=2 HV=4 K=V={args.head_dim} "
-          f"l={args.chunk_size} initial_state=yes l2norm=yes")
-    if not args.skip_interpreter:
-        for name, value in time_interpreter(w, args.chunk_size, args.repeats).items():
-            print(f"interpreter {name}: {value:.4g}")
-    for name, value in cost_model(w, args.chunk_size).items():
-        print(f"cost model {name}: {value:.6g}")
+    parser.add_argument("--lens", default="4096", help="comma-separated sequence lengths, packed (default 4096)")
+    parser.add_argument("--heads", type=int, default=2, help="H, query/key heads")
+    parser.add_argument("--v-heads", type=int, default=4, help="HV, value heads")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V")
+    parser.add_argument("--head-v-dim", type=int, default=None, choices=(64, 128), help="V, if not K")
+    parser.add_argument("--chunk", type=int, default=None, choices=(32, 64, 128),
+                        help="chunk length (default: the kernel's choice)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--no-initial-state", action="store_true")
+    parser.add_argument("--no-l2norm", action="store_true")
+    parser.add_argument("--chunk-states", action="store_true", help="also write the per-chunk states")
+    parser.add_argument("--stitch", type=int, default=None, help="pypto's stitch_function_max_num")
+    parser.add_argument("--backward", action="store_true", help="time the backward kernel")
+    parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
+    parser.add_argument("--suite", action="store_true", help="run the fixed table (make bench-npu)")
+    parser.add_argument("--append", default=None, help="with --suite: append the table to this markdown file")
+    args = parser.parse_args(argv)
+
+    launch: Launch = forward_launch
+    if args.backward:
+        if BACKWARD_LAUNCH is None:
+            parser.error("--backward: not available yet (no PyPTO backward kernel; set BACKWARD_LAUNCH "
+                         "in bench/pypto_cost_model.py once it exists)")
+        launch = BACKWARD_LAUNCH
+    common = dict(heads=args.heads, v_heads=args.v_heads, head_k_dim=args.head_dim,
+                  head_v_dim=args.head_v_dim or args.head_dim, chunk_size=args.chunk, dtype=args.dtype,
+                  initial_state=not args.no_initial_state, l2norm=not args.no_l2norm,
+                  chunk_states=args.chunk_states, stitch=args.stitch)
+    with output_root(args.out) as root:
+        if not args.suite:
+            w = Workload(lens=tuple(int(x) for x in args.lens.split(",")), **common)
+            result = run_cost_model(w, root, launch)
+            print(format_result(f"lens={args.lens if len(w.lens) < 5 else f'{len(w.lens)}x{w.lens[0]}'}", result))
+            return
+        rows = []
+        for label, lens in SUITE:  # one process each: a crash in pypto loses one row, not the table
+            out = root / label.replace(" ", "")
+            command = [sys.executable, os.path.abspath(__file__), "--lens", ",".join(map(str, lens)),
+                       "--out", str(out), *_common_flags(args)]
+            status = subprocess.run(command, check=False).returncode
+            result_file = out / "result.json"
+            if status != 0 or not result_file.exists():
+                print(f"{label}: failed (exit status {status})", flush=True)
+                rows.append((label, None))
+                continue
+            rows.append((label, json.loads(result_file.read_text())))
+        kind = "backward" if args.backward else "forward"
+        title = (f"\n### PyPTO {kind} kernel, cost model (pypto 0.2.0 stock SIM, A2A3), "
+                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+                 f"H={args.heads}, HV={args.v_heads}, K={common['head_k_dim']}, V={common['head_v_dim']}, "
+                 f"{args.dtype}, l2norm {'off' if args.no_l2norm else 'on'}, initial state "
+                 f"{'off' if args.no_initial_state else 'on'}; µs = cycles / 1800.\n\n")
+        table = title + suite_table(rows) + "\n"
+        print(table)
+        if args.append:
+            with open(args.append, "a") as f:
+                f.write(table)
 
 
 if __name__ == "__main__":

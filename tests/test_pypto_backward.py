@@ -23,6 +23,7 @@ if not is_pypto_available():
     pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
 
 from torch_gdr.ops.pypto import backward as pypto_backward  # noqa: E402
+from torch_gdr.ops.pypto import kernel_chunk_size  # noqa: E402
 from torch_gdr.ops.pypto.backward import (  # noqa: E402
     chunk_offsets_for,
     chunk_states_torch,
@@ -197,12 +198,13 @@ def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
     case = Case([40], 32)
     x = make_inputs(case)
     kernel_grads(x, case, scale=0.125)
-    x2 = make_inputs(Case([20], 32, seed=1))
-    kernel_grads(x2, case, scale=0.125)  # same configuration (T is dynamic): a cache hit
+    x2 = make_inputs(Case([50], 32, seed=1))
+    kernel_grads(x2, case, scale=0.125)  # same configuration (T is dynamic; same kernel chunk): a cache hit
     info = pypto_backward.bwd_cache_info()
     assert info.misses == 1 and info.hits == 1 and info.launches == 2
     (key,) = info.keys
-    assert key.kind == "bwd" and key.num_seqs == 1 and key.chunk_size == 32
+    assert key.kind == "bwd" and key.num_seqs == 1
+    assert key.chunk_size == kernel_chunk_size(64, 64, 50, num_seqs=1, num_v_heads=1)  # the forward's
     assert pypto_backward.launch_count() == 2
     pypto_backward.bwd_cache_clear()
     assert pypto_backward.bwd_cache_info() == pypto_backward.BwdCacheInfo(0, 0, (), 0)
@@ -270,3 +272,16 @@ def test_dispatch_lists_forward_and_backward_kernels_apart() -> None:
     assert all(key.kind == "bwd" for key in info.backward.keys)
     dispatch.cache_clear()
     assert dispatch.cache_info().forward.keys == () and dispatch.cache_info().backward.keys == ()
+
+
+def test_training_hands_the_forward_kernels_chunk_states_to_the_backward(monkeypatch) -> None:
+    """Through the public call the backward reads the states the forward kernel wrote: the
+    host never computes them (no pure-torch pass)."""
+    def fail(*args, **kwargs):
+        raise AssertionError("the backward recomputed the chunk states")
+
+    monkeypatch.setattr(pypto_backward, "chunk_states_torch", fail)
+    case = CASES["varlen_100_17_0_70_gva_2to4_initial_state"]
+    x = make_inputs(case)
+    scale = case.head_k_dim ** -0.5
+    assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))

@@ -1,6 +1,8 @@
 """The PyPTO GDR kernel, run through PyPTO's CPU interpreter, against the float64 recurrence.
 
-Tolerance, elementwise on o and the final state: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
+Tolerance, elementwise on o, the final state and the per-chunk states:
+``|kernel - ref| <= 1e-3 |ref| + 1e-4``. The kernel picks its own chunk length
+(:func:`kernel_chunk_size`); the caller's ``chunk_size`` only matters to the torch path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ if not is_pypto_available():
 
 from torch_gdr.ops.pypto import kernel_cache, spec  # noqa: E402
 from torch_gdr.ops.pypto import interpreter  # noqa: E402
-from torch_gdr.ops.pypto.forward import pypto_chunk_gated_delta_rule_fwd  # noqa: E402
+from torch_gdr.ops.pypto.forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd  # noqa: E402
+from torch_gdr.ops.pypto.kernel import kernel_chunk_size  # noqa: E402
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +67,13 @@ def reference_tnd(inputs: dict, *, scale: float, use_qk_l2norm: bool) -> tuple[t
     return o[0], state
 
 
+def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want).abs()
+    bound = 1e-3 * want.abs() + 1e-4
+    bad = int((err > bound).sum())
+    assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+
+
 def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: bool, scale: float | None = None,
                               public_call: bool = True):
     """Kernel vs the float64 recurrence. By default through the public call
@@ -77,7 +87,7 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
             use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=inputs["cu_seqlens"], chunk_size=chunk_size,
             backend="pypto")
     else:
-        o, final_state = pypto_chunk_gated_delta_rule_fwd(
+        o, final_state, _ = pypto_chunk_gated_delta_rule_fwd(
             *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, chunk_size=chunk_size,
         )
@@ -85,16 +95,13 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
     assert o.dtype == torch.float32 and final_state.dtype == torch.float32
     assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
     for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
-        err = (got.double() - want).abs()
-        bound = 1e-3 * want.abs() + 1e-4
-        bad = int((err > bound).sum())
-        assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+        assert_within_tolerance(name, got, want)
 
 
 @pytest.mark.parametrize(
     "lens, chunk_size",
-    [([128], 64), ([130], 64)],
-    ids=["aligned_T128_l64", "unaligned_T130_l64"],
+    [([128], 64), ([130], 64), ([20], 64)],
+    ids=["aligned_T128_kernel_l64", "unaligned_T130_kernel_l64", "T20_kernel_l32"],
 )
 def test_single_sequence(lens: list[int], chunk_size: int) -> None:
     assert_close_to_reference(make_inputs(lens), chunk_size=chunk_size, use_qk_l2norm=True)
@@ -116,12 +123,81 @@ def test_chunk_128_head_dim_128_gva() -> None:
     assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
 
 
-def test_mixed_head_dims_bf16_inputs() -> None:
-    """K=64, V=128; bf16 inputs are converted to fp32 around the kernel."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
+    """K=64, V=128; q, k, v in half precision go to the kernel as they are. The reference
+    runs the recurrence on the same rounded values (widened exactly to float64)."""
     inputs = make_inputs([90], head_k_dim=64, head_v_dim=128, with_initial_state=True)
-    inputs = {n: (t.bfloat16() if n not in ("cu_seqlens", "initial_state") else t) for n, t in inputs.items()}
-    # The host forward: the public call would round o to bfloat16, beyond this tolerance.
+    inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    # The host forward: the public call would round o to the input dtype, beyond this tolerance.
     assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True, public_call=False)
+
+
+def reference_chunk_states(inputs: dict, chunk_size: int, *, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The float64 state entering each chunk, ``[C, HV, K, V]``: the recurrence's final state
+    over each sequence's prefix that ends at the chunk's first token."""
+    cu_seqlens = inputs["cu_seqlens"].long()
+    num_v_heads, head_k_dim, head_v_dim = inputs["v"].shape[1], inputs["k"].shape[2], inputs["v"].shape[2]
+    states = []
+    for n in range(cu_seqlens.numel() - 1):
+        start, end = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        initial = inputs["initial_state"]
+        initial = (torch.zeros(1, num_v_heads, head_k_dim, head_v_dim) if initial is None else initial[n:n + 1])
+        for boundary in range(start, end, chunk_size):
+            prefix = {name: inputs[name][start:boundary] for name in ("q", "k", "v", "g", "beta")}
+            prefix.update(initial_state=initial, cu_seqlens=torch.tensor([0, boundary - start]))
+            states.append(reference_tnd(prefix, scale=scale, use_qk_l2norm=use_qk_l2norm)[1][0])
+    return torch.stack(states)
+
+
+@pytest.mark.parametrize("with_initial_state", [True, False], ids=["initial_state", "zero_state"])
+def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_state: bool) -> None:
+    """Lengths 150 (two chunks of 128, one short), 0 (no rows) and 128 (exactly one chunk); GVA;
+    bf16 inputs. Row ``chunk_offsets[n] + c`` holds the state entering chunk c of sequence n."""
+    inputs = make_inputs([150, 0, 128], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                         with_initial_state=with_initial_state)
+    inputs = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    scale = 0.125
+    o, final_state, chunk_states = pypto_chunk_gated_delta_rule_fwd(
+        *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
+        scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=64, output_chunk_states=True,
+    )
+    chunk_size = kernel_chunk_size(64, 64, 150, num_seqs=3, num_v_heads=2)
+    assert chunk_size == 128
+    assert chunk_offsets(inputs["cu_seqlens"], chunk_size).tolist() == [0, 2, 2, 3]
+    assert chunk_states.shape == (3, 2, 64, 64) and chunk_states.dtype == torch.float32
+    assert_within_tolerance("chunk_states", chunk_states,
+                            reference_chunk_states(inputs, chunk_size, scale=scale, use_qk_l2norm=True))
+    ref_o, ref_state = reference_tnd(inputs, scale=scale, use_qk_l2norm=True)
+    assert_within_tolerance("o", o, ref_o)
+    assert_within_tolerance("final_state", final_state, ref_state)
+
+
+@pytest.mark.parametrize(
+    ("lens", "chunk_size", "expected"),
+    [([], 128, [0]), ([0], 64, [0, 0]), ([1, 128, 129, 0, 256], 128, [0, 1, 2, 4, 4, 6]),
+     ([65, 64], 64, [0, 2, 3])],
+)
+def test_chunk_offsets_count_ceil_len_over_chunk(lens: list[int], chunk_size: int, expected: list[int]) -> None:
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()])
+    assert chunk_offsets(cu_seqlens, chunk_size).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("max_seqlen", "num_seqs", "num_v_heads", "expected"),
+    [(0, 1, 4, 32), (17, 2, 4, 32), (32, 1, 4, 32), (33, 16, 4, 64), (64, 16, 32, 64),  # one chunk holds all
+     (256, 1, 4, 64), (65, 2, 2, 64),  # small launches (at most 16 bodies of 64): 64
+     (256, 16, 4, 128), (257, 1, 4, 128), (5000, 1, 1, 128)],
+)
+def test_kernel_chunk_size(max_seqlen: int, num_seqs: int, num_v_heads: int, expected: int) -> None:
+    for head_k_dim, head_v_dim in ((128, 128), (64, 128)):
+        got = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen, num_seqs=num_seqs, num_v_heads=num_v_heads)
+        assert got == expected
+
+
+def test_kernel_chunk_size_rejects_unsupported_head_dims() -> None:
+    with pytest.raises(ValueError, match="head dims"):
+        kernel_chunk_size(96, 128, 100, num_seqs=1, num_v_heads=1)
 
 
 @pytest.mark.parametrize("gate", [0.0, -30.0], ids=["no_decay", "strong_decay"])
@@ -134,11 +210,12 @@ def test_extreme_gates_stay_finite(gate: float) -> None:
 
 def test_all_sequences_empty_returns_initial_state() -> None:
     inputs = make_inputs([0, 0], with_initial_state=True)
-    o, final_state = pypto_chunk_gated_delta_rule_fwd(
+    o, final_state, chunk_states = pypto_chunk_gated_delta_rule_fwd(
         *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
-        scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64,
+        scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=64, output_chunk_states=True,
     )
     assert o.shape == (0, 1, 64) and torch.equal(final_state, inputs["initial_state"])
+    assert chunk_states.shape == (0, 1, 64, 64)
 
 
 def test_cu_seqlens_must_end_at_t() -> None:
@@ -171,8 +248,8 @@ def test_kernel_built_once_per_key() -> None:
         )
 
     run([40])
-    run([20])  # same key (T is dynamic): reused
-    run([20, 20])  # another N: a new key
+    run([50])  # same key (T is dynamic; both run at kernel chunk 64): reused
+    run([20, 20])  # another N (and kernel chunk 32): a new key
     info = kernel_cache.cache_info()
     assert len(builds) == 2 and info.misses == 2 and info.hits == 1
     assert sorted(key.num_seqs for key in info.keys) == [1, 2]
@@ -206,7 +283,7 @@ def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:
         t, d = 40, 64
         q, k, v = torch.randn(t, 1, d), torch.randn(t, 1, d), torch.randn(t, 1, d)
         g, beta = torch.full((t, 1), -0.1), torch.full((t, 1), 0.5)
-        o, s = pypto_chunk_gated_delta_rule_fwd(q, k, v, g, beta, torch.tensor([0, t]), None,
+        o, s, _ = pypto_chunk_gated_delta_rule_fwd(q, k, v, g, beta, torch.tensor([0, t]), None,
             scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=32)
         assert o.abs().sum() > 0
         """
@@ -219,3 +296,36 @@ def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:
     assert sorted(p.name for p in (home / ".cache").iterdir()) == ["torch_gdr"]
     leftovers = list((home / ".cache" / "torch_gdr" / "tmp").iterdir())
     assert leftovers == [], f"temporary dirs not removed: {leftovers}"
+
+
+def _cost_model_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pypto_cost_model", REPO_ROOT / "bench" / "pypto_cost_model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cost_model_report_parsing() -> None:
+    """The figures bench/pypto_cost_model.py reads from pypto's stat report (its 0.2.0 layout)."""
+    report = textwrap.dedent(
+        """
+        Total Cycles.....................................:    323707
+        Total Submit Tasks...............................:       361
+        Average Cube Usage...............................:   8424.00    2.60%
+        Average Vector Usage.............................:   3430.25    1.06%
+        """
+    )
+    figures = _cost_model_script().parse_report(report)
+    assert figures == dict(total_cycles=323707, tasks=361, cube_pipe_pct=2.6, vector_pipe_pct=1.06)
+
+
+def test_cost_model_backward_says_not_available(capsys: pytest.CaptureFixture[str]) -> None:
+    script = _cost_model_script()
+    if script.BACKWARD_LAUNCH is not None:
+        pytest.skip("the backward kernel exists")
+    with pytest.raises(SystemExit):
+        script.main(["--lens", "256", "--backward"])
+    assert "not available yet" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def _fla_reason(args: tuple, needs_grad: bool) -> Optional[str]:
 BACKENDS: dict[str, Backend] = {
     "torch": Backend(registration.torch_chunked_fwd, True),
     "recurrent": Backend(registration.recurrent_fwd, False),
-    "pypto": Backend(pypto_op.pypto_fwd, False, _pypto_reason),
+    "pypto": Backend(pypto_op.pypto_fwd, True, _pypto_reason),
     "fla": Backend(fla_op.fla_fwd, True, _fla_reason),
 }
 FALLBACK_BACKEND = "torch"

@@ -9,7 +9,8 @@ from . import backward as _backward
 from . import kernel_cache as _forward_cache
 from ._env import PyptoUnavailableError, cache_dir, import_pypto, is_pypto_available
 from .backward import pypto_chunk_gated_delta_rule_bwd
-from .forward import pypto_chunk_gated_delta_rule_fwd
+from .forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd
+from .kernel import kernel_chunk_size
 
 
 class KernelCaches(NamedTuple):
@@ -36,8 +37,10 @@ __all__ = [
     "cache_clear",
     "cache_info",
     "cache_dir",
+    "chunk_offsets",
     "import_pypto",
     "is_pypto_available",
+    "kernel_chunk_size",
     "pypto_chunk_gated_delta_rule_bwd",
     "pypto_chunk_gated_delta_rule_fwd",
 ]

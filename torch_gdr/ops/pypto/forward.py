@@ -1,7 +1,8 @@
-"""Host side of the PyPTO forward: layout checks, dtype conversion, kernel launch.
+"""Host side of the PyPTO forward: layout checks, constant inputs, kernel launch.
 
 On CPU tensors the kernel runs through PyPTO's verify interpreter (:mod:`.interpreter`);
-on Ascend NPU tensors (``device.type == "npu"``) it is launched on the device.
+on Ascend NPU tensors (``device.type == "npu"``) it is launched on the device. q, k and v
+go to the kernel in their own dtype (fp32, fp16 or bf16); the kernel converts them.
 """
 
 from __future__ import annotations
@@ -14,16 +15,36 @@ import torch
 from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
-from .kernel import chunk_masks
+from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size
 from .kernel_cache import get_gdr_kernel
-from .spec import CHUNK_SIZES
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
 #: :func:`.kernel.build_gdr_kernel`.
 KernelGetter = Callable[..., Any]
 
 # Positions of the outputs among the kernel's tensor arguments.
-_O_ARG, _STATE_OUT_ARG = 8, 9
+_O_ARG, _STATE_OUT_ARG, _CHUNK_STATES_ARG = 10, 11, 12
+
+_KERNEL_INPUT_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Row of each sequence's first chunk in ``chunk_states``.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` integer cumulative sequence offsets.
+        chunk_size: l, the chunk length the states were computed with.
+
+    Returns:
+        ``[N + 1]`` int64 on the device of ``cu_seqlens``: the exclusive cumsum of
+        ``ceil(len_n / l)``; the last entry is the total chunk count. An empty sequence
+        has no rows.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    counts = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def pypto_chunk_gated_delta_rule_fwd(
@@ -38,33 +59,41 @@ def pypto_chunk_gated_delta_rule_fwd(
     scale: float,
     use_qk_l2norm_in_kernel: bool,
     chunk_size: int,
+    output_chunk_states: bool = False,
     kernel_getter: KernelGetter | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule forward through the PyPTO kernel.
 
     Args:
-        q, k: ``[T, H, K]``; v: ``[T, HV, V]``; g (raw log decay), beta: ``[T, HV]``.
-            fp32, fp16 or bf16 (converted to fp32 for the kernel).
+        q, k: ``[T, H, K]``; v: ``[T, HV, V]``: fp32, fp16 or bf16 (one dtype), read by
+            the kernel as they are. g (raw log decay), beta: ``[T, HV]``, any float dtype
+            (converted to fp32 here).
         cu_seqlens: ``[N + 1]`` integer cumulative sequence offsets, ``cu_seqlens[-1] == T``.
         initial_state: ``[N, HV, K, V]`` key-first, or None for zeros.
         scale: factor on q. use_qk_l2norm_in_kernel: l2-normalise q and k first.
-        chunk_size: l, one of 32, 64, 128.
+        chunk_size: the caller's chunk length, checked for validity only: the kernel runs
+            with its own, ``kernel_chunk_size(K, V, max_seqlen, num_seqs=N, num_v_heads=HV)``.
+        output_chunk_states: also return the state entering every kernel chunk.
         kernel_getter: returns the kernel for a configuration; defaults to the compiled
             kernel cache of :mod:`torch_gdr.ops.pypto.kernel_cache`.
 
     Returns:
-        ``o [T, HV, V]`` fp32 and the final state ``[N, HV, K, V]`` fp32 key-first.
+        ``o [T, HV, V]`` fp32, the final state ``[N, HV, K, V]`` fp32 key-first, and
+        ``chunk_states [C, HV, K, V]`` fp32 key-first (None unless asked for): row
+        ``chunk_offsets(cu_seqlens, l)[n] + c`` is the state entering chunk c of sequence
+        n, with ``l = kernel_chunk_size(K, V, max_seqlen, num_seqs=N, num_v_heads=HV)``
+        (:func:`.kernel.kernel_chunk_size`).
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first=False)
     if q.dim() != 3:
         raise ValueError(f"q: expected the token-major shape [T, H, K], got {list(q.shape)}")
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: expected [N + 1] offsets for token-major input, got None")
+    if q.dtype not in _KERNEL_INPUT_DTYPES:
+        raise TypeError(f"q, k, v: the kernel reads float32, float16 or bfloat16, got {q.dtype}")
     read_cu_seqlens(cu_seqlens, q.shape[0])
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: the kernel has {list(CHUNK_SIZES)}, got {chunk_size}")
     return launch_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale=scale,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_chunk_states=output_chunk_states,
                           kernel_getter=kernel_getter)
 
 
@@ -79,28 +108,34 @@ def launch_forward(
     *,
     scale: float,
     use_qk_l2norm_in_kernel: bool,
-    chunk_size: int,
+    output_chunk_states: bool = False,
     kernel_getter: KernelGetter | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`pypto_chunk_gated_delta_rule_fwd` on arguments its caller has checked (the op's)."""
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     num_seqs = cu_seqlens.numel() - 1
-
-    def fp32(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=torch.float32).contiguous()
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    max_seqlen = int(lengths.max()) if num_seqs else 0
+    kernel_chunk = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen, num_seqs=num_seqs,
+                                     num_v_heads=num_v_heads)
+    offsets = chunk_offsets(cu_seqlens.to(device), kernel_chunk)
+    num_chunks = int(offsets[-1])
 
     o = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
     state_out = torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device)
+    chunk_states = (torch.zeros(num_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device)
+                    if output_chunk_states else None)
     if num_tokens == 0:  # nothing to run: every sequence is empty
         if initial_state is not None:
             state_out.copy_(initial_state)
-        return o, state_out
+        return o, state_out, chunk_states
 
     has_initial_state = initial_state is not None
-    state_in = fp32(initial_state) if has_initial_state else torch.zeros(1, 1, 1, 1, device=device)
     on_device = device.type == "npu"
+    if not on_device and device.type != "cpu":
+        raise ValueError(f"the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
     getter = kernel_getter if kernel_getter is not None else get_gdr_kernel
     kernel = getter(
         num_seqs=num_seqs,
@@ -108,22 +143,37 @@ def launch_forward(
         num_v_heads=num_v_heads,
         head_k_dim=head_k_dim,
         head_v_dim=head_v_dim,
-        chunk_size=chunk_size,
+        chunk_size=kernel_chunk,
         use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
         scale=float(scale),
         has_initial_state=has_initial_state,
         on_device=on_device,
+        input_dtype=_KERNEL_INPUT_DTYPES[q.dtype],
+        output_chunk_states=bool(output_chunk_states),
     )
+
+    def fp32(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=torch.float32).contiguous()
+
     args = [
-        fp32(q), fp32(k), fp32(v), fp32(g), fp32(beta),
+        q.reshape(num_tokens, -1).contiguous(), k.reshape(num_tokens, -1).contiguous(),
+        v.reshape(num_tokens, -1).contiguous(), fp32(g), fp32(beta),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
-        chunk_masks(chunk_size).to(device),
-        state_in, o, state_out,
+        offsets.to(dtype=torch.int32).contiguous(),
+        chunk_masks(kernel_chunk).to(device),
+        eye_pad(head_k_dim, head_v_dim).to(device),
+        augmented_state(initial_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
+        o.view(num_tokens, -1), state_out.view(-1, head_v_dim),
+        chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
     ]
+    # The kernel writes the final state of every sequence it runs a chunk of; an empty
+    # sequence keeps its initial state (zeros without one).
+    empty = lengths == 0
+    if initial_state is not None and bool(empty.any()):
+        state_out[empty.to(device)] = initial_state[empty.to(initial_state.device)].to(state_out)
     if on_device:
         kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
     else:
-        if device.type != "cpu":
-            raise ValueError(f"the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
-        interpreter.run_kernel(kernel, args, [_O_ARG, _STATE_OUT_ARG])
-    return o, state_out
+        outputs = [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else [])
+        interpreter.run_kernel(kernel, args, outputs)
+    return o, state_out, chunk_states

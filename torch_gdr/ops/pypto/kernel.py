@@ -1,49 +1,77 @@
-"""The chunked gated delta rule as a PyPTO kernel (pypto 0.2.0, fp32, token-major TND).
+"""The chunked gated delta rule forward as a PyPTO kernel (pypto 0.2.0, token-major TND).
 
 :func:`build_gdr_kernel` returns a ``pypto.frontend.jit`` kernel specialised on every size
-the compiler needs concrete; the token count T stays dynamic. Kernel arguments, in order:
+the compiler needs concrete; the token count T (and the chunk-state row count) stay
+dynamic. Kernel arguments, in order:
 
-==============  =====================  ====================================================
-name            shape                  meaning
-==============  =====================  ====================================================
-q, k            ``[T, H, K]`` fp32     queries, keys (H query/key heads)
-v               ``[T, HV, V]`` fp32    values (HV value heads, ``HV % H == 0``)
-g               ``[T, HV]`` fp32       raw per-token log decay (cumsum done in the kernel)
-beta            ``[T, HV]`` fp32       delta-rule write strength
-act_seq_len     ``[N + 1]`` int32      cumulative sequence offsets, last one == T
-chunk_masks     ``[M, l, l]`` fp32     constant masks, see :func:`chunk_masks`
-state_in        ``[N, HV, K, V]`` fp32 initial state, key-first (``[1, 1, 1, 1]`` and
-                                       never read when ``has_initial_state`` is False)
-o               ``[T, HV, V]`` fp32    output
-state_out       ``[N, HV, K, V]`` fp32 final state, key-first
-==============  =====================  ====================================================
+===============  =========================  =================================================
+name             shape                      meaning
+===============  =========================  =================================================
+q, k             ``[T, H * K]`` in_dtype    queries, keys (H query/key heads; the
+                                            token-major ``[T, H, K]`` with the heads
+                                            flattened); fp32, fp16 or bf16, converted to
+                                            fp32 in the kernel
+v                ``[T, HV * V]`` in_dtype   values (HV value heads, ``HV % H == 0``)
+g                ``[T, HV]`` fp32           raw per-token log decay (cumsum in the kernel)
+beta             ``[T, HV]`` fp32           delta-rule write strength
+act_seq_len      ``[N + 1]`` int32          cumulative sequence offsets, last one == T
+chunk_offsets    ``[N + 1]`` int32          exclusive cumsum of ``ceil(len_n / l)``: row of
+                                            sequence n's first chunk in ``chunk_states``
+masks            ``[M * l, l]`` fp32        constant masks, see :func:`chunk_masks`
+eye_pad          ``[K, K + V]`` fp32        constant ``[I_K | 0]``, see :func:`eye_pad`
+state_in         ``[N*HV*(K+V), V]`` fp32   ``[S0; I_V]`` per sequence and head, key-first
+                                            S0; see :func:`augmented_state`. Scratch: the
+                                            kernel carries its state in it, in place
+o                ``[T, HV * V]`` fp32       output
+state_out        ``[N*HV*K, V]`` fp32       final state ``[N, HV, K, V]``, key-first
+chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, HV, K, V]``,
+                                            key-first, row ``chunk_offsets[n] + c`` for
+                                            chunk c of sequence n (``[1, 1]`` and never
+                                            written when ``output_chunk_states`` is False)
+===============  =========================  =================================================
 
-State orientation: key-first ``S [K, V]`` throughout, the layout of the public op, so no
-transposes are needed at either end. Value head ``h`` reads q/k head ``h // (HV // H)``.
+Every tensor is passed two-dimensional (the host's contiguous tensors, viewed flat), so
+every read and write is a strided two-dimensional view with no reshape: a reshape of a
+view is a copy task of its own. Value head ``h`` reads q/k head ``h // (HV // H)``.
 
-Per chunk of l tokens (rows r, s of the chunk; ``gamma`` the within-chunk cumsum of g)::
+The form (per chunk of l tokens, rows r, s; ``gamma`` the within-chunk cumsum of g) keeps
+one matmul on the serial chain from chunk to chunk. Everything else depends on the chunk's
+own inputs only, so the cost model overlaps it across chunks::
 
-    gamma = tril @ g                           Gamma_rs = exp(gamma_r - gamma_s), r >= s
-    A     = strict_lower(diag(beta) K K^T * Gamma)
-    Tinv  = (I + A)^-1                         diagonal 16x16 blocks by a Neumann product,
-                                               then merged pairwise: T21 = -T22 A21 T11
-    U     = Tinv (beta * V);   W = Tinv (beta * exp(gamma) * K)
-    V'    = U - W S
-    O     = (exp(gamma) * Q) S + ((Q K^T) * Gamma) V'
-    S     = exp(gamma_last) S + (exp(gamma_last - gamma) * K)^T V'
+    Gamma_rs = exp(gamma_r - gamma_s), r >= s           (masked to r >= s before the exp)
+    A     = strict_lower(diag(beta) K K^T * Gamma);     Tinv = (I + A)^-1
+    Y     = Tinv [-(beta exp(gamma)) * K | beta * V]    = [-W | U]          [l, K + V]
+    P     = (Q K^T) * Gamma                                                  [l, l]
+    KO    = exp(gamma_last - gamma) * K                                      [l, K]
+    MB    = KO^T Y + exp(gamma_last) [I | 0]            = [M | B]            [K, K + V]
+    QO    = P Y + [exp(gamma) * Q | 0]                  = [QE | OI]          [l, K + V]
+    S_aug = [S; I_V]                                                         [K + V, V]
+    O     = QO S_aug;   S <- MB S_aug
 
-The decay exponent is masked to the lower triangle *before* the exp (the upper triangle
-would overflow). A tail chunk shorter than l is read with ``valid_shape``, zero-filled with
-``fillpad`` (zero k, v, beta and g leave the result exact) and only its valid rows are
-written back with ``assemble``. The sequence x value-head loop is one flat ``parallel``
-loop (independent work; ``parallel=True`` documents intent, pypto 0.2.0 ignores it and
-overlaps iterations by their data dependencies); the chunk loop carries the state and is
-sequential. Keeping to two nested loops avoids a 0.2.0 defect where three nested
-sequential loops with a heavy body recycle workspace too early.
+which is the WY form ``V' = U - W S``, ``O = (exp(gamma) Q) S + P V'``,
+``S <- exp(gamma_last) S + KO^T V'`` with the state terms gathered into M and B.
 
-Tile shapes are those of an Ascend 910B core: vector tiles of at most 64 x 128 fp32
-(32 KiB, several live in the 192 KiB unified buffer) and cube tiles of 64 x 64 fp32
-(16 KiB per operand in L0A/L0B, 64 KiB L0C budget).
+``Tinv`` is never formed: :func:`_solve_unit_lower` applies it to the right-hand side as
+two short products of power factors (16 x 16 diagonal blocks, then the block level).
+
+A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
+(zero k, v, beta and g leave the result exact) and only its valid rows are written back
+with ``assemble``. The sequence x value-head loop is one flat loop (independent work,
+overlapped by the cost model through data dependencies; ``parallel=True`` documents
+intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequential.
+Two nested loops only: three nested sequential loops with a heavy body recycle
+workspace too early in 0.2.0.
+
+Tile shapes fit an Ascend 910B core: cube L0 tiles of 128 x 128 (fp32: 64 KiB per operand
+in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 fp32
+(64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
+buffer holds 192 KiB).
+
+What bounds it in pypto 0.2.0's cost model: the scheduler's cost per task (several
+thousand cycles between dependent tasks, and between tasks on one core even with ready
+work queued), hence the push for fewer, larger tasks; for a long sequence, the stitch
+window (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` loop bodies per submission; submissions run
+one after another, each ending on a serial chunk chain).
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -55,13 +83,18 @@ import torch
 from torch_gdr.ref.utils import L2NORM_EPS  # the in-kernel l2 norm's epsilon, as in the reference
 
 from ._env import import_pypto
-from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES
+
+from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES  # the device path picks one with kernel_chunk_size
 from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-#: Size of the diagonal blocks inverted directly before the pairwise merges.
+
+#: Input dtypes of q, k and v the kernel reads itself.
+SUPPORTED_INPUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+#: Size of the diagonal blocks of the two-level inverse.
 BASE_BLOCK = 16
-#: pypto's stitch limit: a wider stitch lets the independent (sequence, head) chains overlap
-#: (cost-model figures in bench/RESULTS.md). Larger stitches need more device workspace;
-#: this setting has not run on hardware.
+#: pypto's stitch limit: how many loop-body functions one submission holds. A wider
+#: stitch lets the independent (sequence, head) chains and the chunk-parallel work of
+#: later chunks overlap; a launch whose bodies overflow it runs its submissions one after
+#: another. pypto 0.2.0's cost model crashes (segfault) above 128 for many sequences.
 DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 
 # Indices into the chunk_masks tensor.
@@ -69,31 +102,81 @@ MASK_LOWER = 0  # r >= s
 MASK_STRICT_LOWER = 1  # r > s
 MASK_IDENTITY = 2
 MASK_BASE_BLOCKS = 3  # strictly lower part of the 16 x 16 diagonal blocks
-# 4.. : for each merge level (block 16 -> 32 -> ... -> l), the lower-left quadrant of
-#       every diagonal block of the merged size.
+MASK_OFF_BLOCKS = 4  # strictly lower, outside the 16 x 16 diagonal blocks
+NUM_MASKS = 5
 
 
-def num_merge_levels(chunk_size: int) -> int:
-    """Pairwise merges from 16-blocks up to the chunk: 1 for l=32, 2 for 64, 3 for 128."""
+#: A launch with at most this many (sequence, value head, chunk of 64) bodies runs faster at
+#: chunk 64 than at 128 (the first chunk's latency bounds it; measured: one sequence of 256
+#: tokens, 4 value heads). Above it, the scheduler's cost per task favours 128.
+SMALL_LAUNCH_BODIES = 16
+
+
+def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_seqs: int,
+                      num_v_heads: int) -> int:
+    """The chunk length the kernel runs with, chosen for speed on the device.
+
+    128 (full 128 x 128 cube tiles, half the serial chunk steps of 64), except: every
+    sequence fits a shorter chunk (32 or 64), or the launch is small enough that the
+    first chunk's latency bounds it (see ``SMALL_LAUNCH_BODIES``), then 64. The result
+    does not depend on the chunk length up to rounding; ``chunk_states`` rows do (see
+    :func:`.forward.chunk_offsets`), so a consumer of them must ask with the same
+    arguments as the forward call: its K, V, longest sequence, sequence count and HV.
+    """
+    if head_k_dim not in SUPPORTED_HEAD_DIMS or head_v_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims K={head_k_dim}, V={head_v_dim}: expected values in {SUPPORTED_HEAD_DIMS}")
+    if max_seqlen < 0 or num_seqs < 0 or num_v_heads <= 0:
+        raise ValueError(f"max_seqlen={max_seqlen}, num_seqs={num_seqs}, num_v_heads={num_v_heads}: expected "
+                         f"max_seqlen >= 0, num_seqs >= 0, num_v_heads > 0")
+    covering = next((size for size in SUPPORTED_CHUNK_SIZES if size >= max_seqlen), SUPPORTED_CHUNK_SIZES[-1])
+    if covering < 128:
+        return covering
+    bodies_at_64 = num_seqs * num_v_heads * -(-max_seqlen // 64)
+    return 64 if bodies_at_64 <= SMALL_LAUNCH_BODIES else 128
+
+
+def num_block_levels(chunk_size: int) -> int:
+    """Factors ``I + G^(2^j)`` of the block-level inverse: 1 for l=32, 2 for 64, 3 for 128."""
     return (chunk_size // BASE_BLOCK).bit_length() - 1
 
 
 def chunk_masks(chunk_size: int) -> torch.Tensor:
-    """The constant masks the kernel reads, ``[4 + merge levels, l, l]`` fp32 of 0/1."""
+    """The constant masks the kernel reads, ``[5 * l, l]`` fp32 of 0/1: mask ``MASK_*`` in rows
+    ``[MASK_* * l, (MASK_* + 1) * l)``."""
     idx = torch.arange(chunk_size)
     row, col = idx[:, None], idx[None, :]
-    masks = [row >= col, row > col, row == col, (row > col) & (row // BASE_BLOCK == col // BASE_BLOCK)]
-    size = BASE_BLOCK
-    for _ in range(num_merge_levels(chunk_size)):
-        merged = 2 * size
-        same_block = row // merged == col // merged
-        masks.append(same_block & (row // size == col // size + 1) & ((row // size) % 2 == 1))
-        size = merged
-    return torch.stack(masks).to(torch.float32)
+    same_block = row // BASE_BLOCK == col // BASE_BLOCK
+    masks = [row >= col, row > col, row == col, (row > col) & same_block, (row > col) & ~same_block]
+    return torch.cat(masks).to(torch.float32)
+
+
+def eye_pad(head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """``[I_K | 0]``, ``[K, K + V]`` fp32: the decay part of ``[M | B]``."""
+    out = torch.zeros(head_k_dim, head_k_dim + head_v_dim)
+    out[:, :head_k_dim] = torch.eye(head_k_dim)
+    return out
+
+
+def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_heads: int, head_k_dim: int,
+                    head_v_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernel's ``state_in``, a fresh tensor: ``[S0; I_V]`` per sequence and head, fp32.
+
+    Args:
+        initial_state: ``[N, HV, K, V]`` key-first, any float dtype, or None for zeros.
+
+    Returns:
+        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened); the kernel overwrites it.
+    """
+    out = torch.zeros(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=device)
+    if initial_state is not None:
+        out[:, :, :head_k_dim] = initial_state
+    out[:, :, head_k_dim:] += torch.eye(head_v_dim, device=device)
+    return out.view(-1, head_v_dim)
 
 
 def validate_kernel_config(
-    *, num_qk_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int
+    *, num_qk_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int,
+    input_dtype: str = "float32",
 ) -> None:
     """Raise ValueError for a configuration the kernel does not cover."""
     if head_k_dim not in SUPPORTED_HEAD_DIMS or head_v_dim not in SUPPORTED_HEAD_DIMS:
@@ -102,47 +185,71 @@ def validate_kernel_config(
         raise ValueError(f"chunk size {chunk_size} not in {SUPPORTED_CHUNK_SIZES}")
     if num_qk_heads <= 0 or num_v_heads % num_qk_heads:
         raise ValueError(f"num_v_heads={num_v_heads} must be a positive multiple of num_qk_heads={num_qk_heads}")
+    if input_dtype not in SUPPORTED_INPUT_DTYPES:
+        raise ValueError(f"input_dtype {input_dtype!r} not in {SUPPORTED_INPUT_DTYPES}")
 
 
-def _invert_unit_lower(a: Any, masks: Any, chunk_size: int) -> Any:
-    """``(I + a)^-1`` for strictly lower ``a [l, l]``, by matmuls only.
+def _pypto_dtype(name: str) -> Any:
+    pypto = import_pypto()
+    return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
 
-    Diagonal 16x16 blocks: ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a
-    nilpotent N (N^16 = 0), done for all blocks at once on the block-diagonal part of a.
-    Then each merge doubles the block size: with ``T`` block-diagonal of blocks m and
-    ``A_off`` the lower-left m x m quadrants of the 2m blocks, ``T <- T - T A_off T``,
-    which is ``inv21 = -inv22 A21 inv11`` for every pair at once.
+
+def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
+    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only.
+
+    With ``N`` the strictly lower part of the 16 x 16 diagonal blocks of a and ``L`` the
+    rest (strictly block-lower), ``I + a = D (I + G)`` with ``D = I + N``,
+    ``G = D^-1 L``. Both are nilpotent (N^16 = 0; G^(l/16) = 0), so each inverse is a
+    short product of power factors::
+
+        D^-1       = (I - N)(I + N^2)(I + N^4)(I + N^8)
+        (I + G)^-1 = (I - G)(I + G^2)(I + G^4)       (l = 128; fewer factors below)
+
+    The matmuls of each product run back to back with no vector work between them: a
+    dependency depth of about six tasks, against three per pairwise merge level.
     """
     pypto = import_pypto()
+    fp32 = pypto.DT_FP32
     eye = masks[MASK_IDENTITY]
-    power = a * masks[MASK_BASE_BLOCKS] * -1.0  # -N
-    inverse = eye + power
-    for _ in range(3):  # multiply by (I + (-N)^(2^j)), j = 1, 2, 3
-        power = pypto.matmul(power, power, pypto.DT_FP32)
-        inverse = inverse + pypto.matmul(inverse, power, pypto.DT_FP32)
-    for level in range(num_merge_levels(chunk_size)):
-        off_diag = a * masks[MASK_BASE_BLOCKS + 1 + level]
-        coupling = pypto.matmul(pypto.matmul(inverse, off_diag, pypto.DT_FP32), inverse, pypto.DT_FP32)
-        inverse = inverse - coupling
-    return inverse
+    n1 = a * masks[MASK_BASE_BLOCKS]
+    off = a * masks[MASK_OFF_BLOCKS]
+    n2 = pypto.matmul(n1, n1, fp32)
+    n4 = pypto.matmul(n2, n2, fp32)
+    n8 = pypto.matmul(n4, n4, fp32)
+    d_inv = pypto.matmul(
+        pypto.matmul(eye - n1, eye + n2, fp32), pypto.matmul(eye + n4, eye + n8, fp32), fp32
+    )
+    y = pypto.matmul(d_inv, rhs, fp32)
+    levels = num_block_levels(chunk_size)
+    if levels == 0:
+        return y
+    g1 = pypto.matmul(d_inv, off, fp32)
+    powers = [g1]
+    for _ in range(levels - 1):
+        powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
+    factors = [eye - g1] + [eye + p for p in powers[1:]]
+    for factor in reversed(factors):
+        y = pypto.matmul(factor, y, fp32)
+    return y
 
 
-def _chunk_step(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, masks: Any, *, scale: float, use_qk_l2norm: bool,
-    chunk_size: int,
+def _chunk_terms(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float, use_qk_l2norm: bool,
+    chunk_size: int, vec_rows: int,
 ) -> tuple[Any, Any]:
-    """One chunk: full-size tiles q, k ``[l, K]``, v ``[l, V]``, g, beta ``[l, 1]``, state ``[K, V]``.
-
-    Returns the chunk output ``[l, V]`` and the state after the chunk ``[K, V]``.
-    """
+    """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, v ``[l, V]``,
+    g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``."""
     pypto = import_pypto()
+    fp32 = pypto.DT_FP32
+    head_k_dim, head_v_dim = k.shape[1], v.shape[1]
+    pypto.set_vec_tile_shapes(vec_rows, 128)
     if use_qk_l2norm:
         q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
         k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
     q = q * scale
 
     lower = masks[MASK_LOWER]
-    gamma = pypto.matmul(lower, g, pypto.DT_FP32)  # [l, 1] within-chunk cumsum
+    gamma = pypto.cumsum(g, 0)  # [l, 1] within-chunk cumsum
     gamma_row = pypto.transpose(gamma, 0, 1)  # [1, l]
     decay = pypto.exp((gamma - gamma_row) * lower) * lower  # Gamma incl. diagonal, [l, l]
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
@@ -150,18 +257,16 @@ def _chunk_step(
     decay_out = pypto.exp(gamma_last - gamma)  # [l, 1]
 
     k_beta = k * beta
-    a = pypto.matmul(k_beta, k, pypto.DT_FP32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]
-    t_inv = _invert_unit_lower(a, masks, chunk_size)
-    u = pypto.matmul(t_inv, v * beta, pypto.DT_FP32)  # [l, V]
-    w = pypto.matmul(t_inv, k_beta * decay_in, pypto.DT_FP32)  # [l, K]
-
-    v_new = u - pypto.matmul(w, state, pypto.DT_FP32)  # [l, V]
-    qk = pypto.matmul(q, k, pypto.DT_FP32, b_trans=True) * decay  # [l, l]
-    o = pypto.matmul(q * decay_in, state, pypto.DT_FP32) + pypto.matmul(qk, v_new, pypto.DT_FP32)
+    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]
+    rhs = pypto.concat([k_beta * decay_in * -1.0, v * beta], dim=1)  # [l, K + V]
+    wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
+    qk = pypto.matmul(q, k, fp32, b_trans=True) * decay  # P, [l, l]
     k_out = k * decay_out  # [l, K]
-    chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [state.shape[0], 1])  # [K, 1]
-    new_state = state * chunk_decay + pypto.matmul(k_out, v_new, pypto.DT_FP32, a_trans=True)
-    return o, new_state
+    chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
+    mb = pypto.matmul(k_out, wu, fp32, a_trans=True) + eye_pad_t * chunk_decay  # [K, K + V]
+    q_pad = pypto.concat([q * decay_in, pypto.full([chunk_size, head_v_dim], 0.0, fp32)], dim=1)
+    qo = pypto.matmul(qk, wu, fp32) + q_pad  # [l, K + V]
+    return mb, qo
 
 
 def build_gdr_kernel(
@@ -176,6 +281,8 @@ def build_gdr_kernel(
     scale: float,
     has_initial_state: bool,
     on_device: bool = False,
+    input_dtype: str = "float32",
+    output_chunk_states: bool = False,
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR forward kernel for one configuration.
@@ -184,111 +291,142 @@ def build_gdr_kernel(
         num_seqs: N, the number of sequences packed along T.
         num_qk_heads: H. num_v_heads: HV, a multiple of H.
         head_k_dim, head_v_dim: K and V, each 64 or 128.
-        chunk_size: l, 32, 64 or 128.
+        chunk_size: l, 32, 64 or 128 (see :func:`kernel_chunk_size`).
         use_qk_l2norm: l2-normalise q and k per token before use.
         scale: factor applied to q (after the norm).
-        has_initial_state: read ``state_in``; otherwise every sequence starts from zeros.
+        has_initial_state: whether the caller passed an initial state (part of the cache
+            key; the kernel code is the same, ``state_in`` holds ``[0; I]`` without one).
         on_device: run mode NPU (launch on the Ascend device) rather than SIM (CPU; see
             :mod:`.interpreter` for how it yields numbers).
-        stitch_function_max_num: pypto runtime option, how many loop-body functions the
-            scheduler stitches into one submission; see ``DEFAULT_STITCH_FUNCTION_MAX_NUM``.
+        input_dtype: dtype of q, k, v: "float32", "float16" or "bfloat16".
+        output_chunk_states: write the state entering every chunk to ``chunk_states``.
+        stitch_function_max_num: pypto runtime option, see ``DEFAULT_STITCH_FUNCTION_MAX_NUM``.
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
     """
     validate_kernel_config(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
-        head_v_dim=head_v_dim, chunk_size=chunk_size,
+        head_v_dim=head_v_dim, chunk_size=chunk_size, input_dtype=input_dtype,
     )
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
+    in_dt = _pypto_dtype(input_dtype)
     tokens = pypto.DYNAMIC
+    chunk_rows = pypto.DYNAMIC
     group = num_v_heads // num_qk_heads
     num_pairs = num_seqs * num_v_heads
-    n_masks = 4 + num_merge_levels(chunk_size)
-    state_in_shape = [num_seqs, num_v_heads, head_k_dim, head_v_dim] if has_initial_state else [1, 1, 1, 1]
+    n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
-    vec_rows = min(l, 64)
+    state_in_shape = [num_pairs * (dk + dv), dv]
+    chunk_states_shape = [chunk_rows, dv] if output_chunk_states else [1, 1]
+    vec_rows = min(l, 128)  # the chunk's two-dimensional work
+    io_rows = min(l, 64)  # reads of the inputs
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num})
+    def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any) -> Any:
+        """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32 ``[l, width]``.
+
+        A strided two-dimensional view (no reshape), brought on chip by one vector op in
+        64-row tiles: the cast for half inputs, a "+ 0.0" copy for fp32. (Consumed directly
+        by the chunk's 128-row work, the view fails in pypto 0.2.0's runtime model.)"""
+        pypto.set_vec_tile_shapes(io_rows, 128)
+        tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
+        return tile + 0.0 if input_dtype == "float32" else pypto.cast(tile, fp32)
+
+    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any, rows: Any,
+                   tail: bool) -> None:
+        """One chunk of one value head: output rows, the carried state, the chunk-state row.
+
+        Full chunks read their rows as they are; the tail chunk zero-fills past ``rows``
+        and also writes the final state. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
+        tiles, ``[I | 0]``; ``outputs``: o, state_out, chunk_states."""
+        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, mask_tiles, eye_pad_t = inputs
+        o_out, state_out_out, chunk_states_out = outputs
+        pair = seq * num_v_heads + head
+        qk_head = head // group
+        q_c = read_rows(q_in, dk, qk_head, start, rows)
+        k_c = read_rows(k_in, dk, qk_head, start, rows)
+        v_c = read_rows(v_in, dv, head, start, rows)
+        pypto.set_vec_tile_shapes(vec_rows, 128)
+        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        if output_chunk_states:
+            entering = pypto.view(state, [dk, dv], [0, 0])
+            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
+                           chunk_states_out)
+        if tail:
+            q_c = pypto.fillpad(q_c, "constant", 0.0)
+            k_c = pypto.fillpad(k_c, "constant", 0.0)
+            v_c = pypto.fillpad(v_c, "constant", 0.0)
+            g_c = pypto.fillpad(g_c, "constant", 0.0)
+            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        mb, qo = _chunk_terms(
+            q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
+        )
+        o_c = pypto.matmul(qo, state, fp32)  # [l, V]
+        new_state = pypto.matmul(mb, state, fp32)  # [K, V]
+        pypto.set_vec_tile_shapes(vec_rows, 128)
+        state[0:dk, 0:dv] = new_state
+        pypto.set_vec_tile_shapes(io_rows, 128)
+        if tail:
+            pypto.assemble(pypto.view(o_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], o_out)
+            pypto.set_vec_tile_shapes(vec_rows, 128)
+            pypto.assemble(new_state, [pair * dk, 0], state_out_out)
+        else:
+            pypto.assemble(o_c, [start, head * dv], o_out)
+
+    @pypto.frontend.jit(
+        runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
+        # Two vector subgraphs of the same structure per task: half the small vector tasks
+        # (the scheduler's cost per task, not their work, bounds long sequences).
+        pass_options={"vec_nbuffer_setting": {-1: 2}},
+    )
     def gdr_fwd_kernel(
-        q: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
-        k: pypto.Tensor([tokens, num_qk_heads, dk], fp32),
-        v: pypto.Tensor([tokens, num_v_heads, dv], fp32),
+        q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        k: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        v: pypto.Tensor([tokens, num_v_heads * dv], in_dt),
         g: pypto.Tensor([tokens, num_v_heads], fp32),
         beta: pypto.Tensor([tokens, num_v_heads], fp32),
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
-        masks: pypto.Tensor([n_masks, l, l], fp32),
+        chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        masks: pypto.Tensor([n_masks * l, l], fp32),
+        eye_pad_in: pypto.Tensor([dk, dk + dv], fp32),
         state_in: pypto.Tensor(state_in_shape, fp32),
-        o: pypto.Tensor([tokens, num_v_heads, dv], fp32),
-        state_out: pypto.Tensor([num_seqs, num_v_heads, dk, dv], fp32),
+        o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
+        chunk_states: pypto.Tensor(chunk_states_shape, fp32),
     ):
-        pypto.set_cube_tile_shapes([64, 64], [64, 64], [64, 64])
+        # L0 tiles 128 x 128 (64 KiB fp32 per operand); L1 holds 256 along K, so the
+        # [S; I] products (K + V = 256) load their operands once.
+        pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
         mask_tiles = []
         for i in range(n_masks):  # unrolled at trace time
-            pypto.set_vec_tile_shapes(1, vec_rows, 128)
-            mask_tiles.append(pypto.reshape(pypto.view(masks, [1, l, l], [i, 0, 0]), [l, l]))
+            pypto.set_vec_tile_shapes(io_rows, 128)
+            mask_tiles.append(pypto.view(masks, [l, l], [i * l, 0]))
+        pypto.set_vec_tile_shapes(vec_rows, 128)
+        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
 
         for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
             seq = pair // num_v_heads
             head = pair % num_v_heads
-            qk_head = head // group
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
-            if has_initial_state:
-                # "+ 0.0" makes a copy: the state is updated in place below and must not
-                # alias (and overwrite) the caller's initial state.
-                state = pypto.reshape(
-                    pypto.view(state_in, [1, 1, dk, dv], [seq, head, 0, 0]), [dk, dv]
-                ) + 0.0
-            else:
-                state = pypto.full([dk, dv], 0.0, fp32)
-            pypto.assemble(pypto.reshape(state, [1, 1, dk, dv]), [seq, head, 0, 0], state_out)
-
+            # Updated in place: state_in is the host's scratch copy. No copy here keeps the
+            # pair's own body empty. (Several heads per body, or reading the inputs without
+            # the "+ 0.0" copy, fail in pypto 0.2.0's runtime model: F74007.)
+            state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
+            inputs = [q, k, v, g, beta, chunk_offsets, mask_tiles, eye_pad_t]
+            outputs = [o, state_out, chunk_states]
             for chunk in pypto.loop((seq_len + l - 1) // l, name="LOOP_CHUNK", idx_name="chunk"):
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                pypto.set_vec_tile_shapes(vec_rows, 1, 128)
-                q_c = pypto.reshape(
-                    pypto.view(q, [l, 1, dk], [start, qk_head, 0], valid_shape=[rows, 1, dk]), [l, dk],
-                    valid_shape=[rows, dk],
-                )
-                k_c = pypto.reshape(
-                    pypto.view(k, [l, 1, dk], [start, qk_head, 0], valid_shape=[rows, 1, dk]), [l, dk],
-                    valid_shape=[rows, dk],
-                )
-                v_c = pypto.reshape(
-                    pypto.view(v, [l, 1, dv], [start, head, 0], valid_shape=[rows, 1, dv]), [l, dv],
-                    valid_shape=[rows, dv],
-                )
-                pypto.set_vec_tile_shapes(vec_rows, 128)
-                g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
-                beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
-                if pypto.is_loop_end(chunk):
-                    q_c = pypto.fillpad(q_c, "constant", 0.0)
-                    k_c = pypto.fillpad(k_c, "constant", 0.0)
-                    v_c = pypto.fillpad(v_c, "constant", 0.0)
-                    g_c = pypto.fillpad(g_c, "constant", 0.0)
-                    beta_c = pypto.fillpad(beta_c, "constant", 0.0)
-                    o_c, new_state = _chunk_step(
-                        q_c, k_c, v_c, g_c, beta_c, state, mask_tiles,
-                        scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l,
-                    )
-                    state[:] = new_state
-                    pypto.set_vec_tile_shapes(vec_rows, 1, 128)
-                    o_rows = pypto.reshape(o_c, [l, 1, dv], valid_shape=[rows, 1, dv])
-                    pypto.assemble(o_rows, [start, head, 0], o)
-                    pypto.assemble(pypto.reshape(state, [1, 1, dk, dv]), [seq, head, 0, 0], state_out)
+                if pypto.is_loop_end(chunk):  # the last chunk: maybe short; it writes the final state
+                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True)
                 else:
-                    o_c, new_state = _chunk_step(
-                        q_c, k_c, v_c, g_c, beta_c, state, mask_tiles,
-                        scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l,
-                    )
-                    state[:] = new_state
-                    pypto.set_vec_tile_shapes(vec_rows, 1, 128)
-                    pypto.assemble(pypto.reshape(o_c, [l, 1, dv]), [start, head, 0], o)
+                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False)
 
     return gdr_fwd_kernel

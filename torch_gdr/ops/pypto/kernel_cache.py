@@ -33,6 +33,8 @@ class KernelKey:
     scale: float
     has_initial_state: bool
     on_device: bool
+    input_dtype: str = "float32"
+    output_chunk_states: bool = False
 
 
 class CacheInfo(NamedTuple):

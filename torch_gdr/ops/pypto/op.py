@@ -29,24 +29,35 @@ from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from . import spec
 from .backward import launch_backward
 from .forward import launch_forward
+from .kernel import kernel_chunk_size
 
 Tensor = torch.Tensor
 
 
-def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The kernel on a call in the canonical layout: B equal-length sequences are packed as
-    varlen (the kernel reads token-major input with offsets)."""
-    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+def _packed(call: GdrCall) -> tuple[Tensor, int]:
+    """The call's ``cu_seqlens`` (B equal-length sequences packed as varlen: the kernels read
+    token-major input with offsets) and the kernels' chunk size for it, the same for the
+    forward and the backward."""
+    q, v = call.q, call.v
     batch_size, seq_len = q.shape[:2]
     cu_seqlens = call.cu_seqlens
     if cu_seqlens is None:
         cu_seqlens = torch.arange(batch_size + 1, device=q.device) * seq_len
-    chunk_size = spec.pick_chunk_size(max(call.seq_lens, default=0), call.chunk_size)
-    o, final_state = launch_forward(
-        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1), cu_seqlens,
+    chunk_size = kernel_chunk_size(q.shape[-1], v.shape[-1], max(call.seq_lens, default=0),
+                                   num_seqs=call.num_seqs, num_v_heads=v.shape[2])
+    return cu_seqlens, chunk_size
+
+
+def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The forward kernel on a call in the canonical layout; with ``save_chunk_states`` also
+    the state entering every kernel chunk, ``[C, HV, K, V]`` fp32 (what the backward reads)."""
+    q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
+    cu_seqlens, _ = _packed(call)
+    o, final_state, chunk_states = launch_forward(
+        _token_major(q), _token_major(k), _token_major(v), _token_major(g), _token_major(beta), cu_seqlens,
         None if call.initial_state is None else call.initial_state.float(),
-        scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
-    return o.view(v.shape).to(v.dtype), final_state, None
+        scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, output_chunk_states=save_chunk_states)
+    return o.view(v.shape).to(v.dtype), final_state, chunk_states
 
 
 def _token_major(x: Tensor) -> Tensor:
@@ -60,11 +71,7 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
     call (a configuration the forward ran on, but a kernel that fails to build or run), the
     pure-torch backward on the same device, with one warning per reason."""
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
-    batch_size, seq_len = q.shape[:2]
-    cu_seqlens = call.cu_seqlens
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(batch_size + 1, device=q.device) * seq_len
-    chunk_size = spec.pick_chunk_size(max(call.seq_lens, default=0), call.chunk_size)
+    cu_seqlens, chunk_size = _packed(call)
     reason = spec.unsupported_reason(q, v, call.chunk_size)
     if reason is None:
         try:
@@ -82,7 +89,14 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
 
 
 pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
-pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd)
+def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
+                  use_qk_l2norm: bool) -> list[Optional[int]]:
+    """``[C, HV, K, V]``: C, the number of kernel chunks, follows the lengths and the kernel's
+    chunk size, known once the op has run."""
+    return [None, v.shape[-2], q.shape[-1], v.shape[-1]]
+
+
+pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd, _states_shape)
 
 
 def _npu_public_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

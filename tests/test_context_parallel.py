@@ -197,16 +197,17 @@ def _world_main(rank: int, world_size: int, out_dir: str) -> None:
     torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")
 
 
-@functools.lru_cache(maxsize=None)
-def _world_results(world_size: int, out_dir: str) -> list:
-    run_local(_world_main, world_size, out_dir, timeout=TIMEOUT_S)
-    return [torch.load(pathlib.Path(out_dir) / f"rank{rank}.pt") for rank in range(world_size)]
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """``worlds(R)``: every rank's results of the R-rank world, spawned once per module."""
 
+    @functools.lru_cache(maxsize=None)
+    def results(world_size: int) -> list:
+        out_dir = tmp_path_factory.mktemp(f"cp{world_size}")
+        run_local(_world_main, world_size, str(out_dir), timeout=TIMEOUT_S)
+        return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def world(request, tmp_path_factory) -> tuple[int, list]:
-    world_size = request.param
-    return world_size, _world_results(world_size, str(tmp_path_factory.mktemp(f"cp{world_size}")))
+    return results
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -220,16 +221,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         assert ratio <= 1e-5, f"{what}: rmse ratio {ratio:.3g} > 1e-5"
 
 
-def _case_ids() -> list:
-    return sorted({case.name for cases in CASES.values() for case in cases})
-
-
-@pytest.mark.parametrize("name", _case_ids())
-def test_ranks_match_single_process(world, name: str) -> None:
-    world_size, ranks = world
-    case = next((c for c in CASES[world_size] if c.name == name), None)
-    if case is None:
-        pytest.skip(f"{name}: not a case of the {world_size}-rank world")
+@pytest.mark.parametrize("world_size, case", [(w, case) for w, cases in CASES.items() for case in cases],
+                         ids=lambda x: x.name if isinstance(x, Case) else f"{x}ranks")
+def test_ranks_match_single_process(worlds, world_size: int, case: Case) -> None:
+    ranks = worlds(world_size)
+    name = case.name
     expected = single_process(case)
     shares = [r["cases"][name] for r in ranks]
     assert_close(torch.cat([s["o"] for s in shares], dim=1), expected["o"], case.dtype, "o")
@@ -249,9 +245,10 @@ def test_ranks_match_single_process(world, name: str) -> None:
             assert not share["dh0_elsewhere"].any(), "rows not read have zero gradient"
 
 
-def test_communication_is_one_state_piece_per_rank(world) -> None:
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_communication_is_one_state_piece_per_rank(worlds, world_size: int) -> None:
     """Bytes per rank and call: (R - 1) * HV * K * (K + V) * 8 (float64) each way, whatever T."""
-    world_size, ranks = world
+    ranks = worlds(world_size)
     case = CASES[world_size][0]
     piece = case.v_heads * case.key_dim * (case.key_dim + case.value_dim) * 8
     for r in ranks:
@@ -259,8 +256,9 @@ def test_communication_is_one_state_piece_per_rank(world) -> None:
         assert r["cases"][case.name]["backward_bytes_sent"] == (world_size - 1) * piece
 
 
-def test_layer_matches_single_process(world) -> None:
-    world_size, ranks = world
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_layer_matches_single_process(worlds, world_size: int) -> None:
+    ranks = worlds(world_size)
     expected = _layer(world_size, -1)
     assert_close(torch.cat([r["layer"]["y"] for r in ranks], dim=1), expected["y"], torch.float64, "y")
     assert_close(torch.cat([r["layer"]["dx"] for r in ranks], dim=1), expected["dx"], torch.float64, "dx")
@@ -272,9 +270,9 @@ def test_layer_matches_single_process(world) -> None:
 
 @pytest.mark.parametrize("attempt, argument", [("other_group_size", "cp_context"), ("slice_length", "q"),
                                                ("initial_state", "initial_state"), ("layer_cache", "cache")])
-def test_bad_use_is_a_clear_error(world, attempt: str, argument: str) -> None:
-    _, ranks = world
-    for r in ranks:
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_bad_use_is_a_clear_error(worlds, world_size: int, attempt: str, argument: str) -> None:
+    for r in worlds(world_size):
         message = r["errors"][attempt]
         assert message.startswith(f"ValueError: {argument}:"), message
 

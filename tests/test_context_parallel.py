@@ -11,8 +11,11 @@ layer's parameters, within 1e-10 in float64 and an rmse ratio of 1e-5 in float32
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
-from dataclasses import dataclass, field
+import subprocess
+import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import pytest
@@ -46,7 +49,7 @@ class Case:
     initial_state: bool = False
     state_v_first: bool = False
     chunk_size: int = 16
-    extra: dict = field(default_factory=dict)
+    token_major: bool = False
 
 
 CASES = {
@@ -63,7 +66,8 @@ CASES = {
         # spans 1, 2 and 3 ranks; rank 2 lies inside the third sequence; an empty one at a boundary
         Case("varlen_spans_1_2_3", (5, 25, 0, 64, 6), (0, 20, 45, 70, 100), heads=2, v_heads=4, l2norm=True,
              initial_state=True),
-        Case("short_slices_empty_at_boundary", (3, 0, 2, 60), (0, 3, 5, 7, 65), initial_state=True),
+        Case("short_slices_empty_at_boundary", (3, 0, 2, 60), (0, 3, 5, 7, 65), initial_state=True,
+             token_major=True),
         Case("float32", (50, 83, 27), dtype=torch.float32, v_heads=4, initial_state=True, key_dim=16, value_dim=16),
     ],
 }
@@ -123,11 +127,13 @@ def _rank_case(rank: int, world_size: int, case: Case) -> dict:
     lo, hi = ctx.slice_bounds[rank], ctx.slice_bounds[rank + 1]
     leaves = {name: data[name][:, lo:hi].clone().requires_grad_() for name in FIELDS}
     h0 = None if data["h0"] is None else data["h0"][ctx.sequence_ids].clone().requires_grad_()
+    inputs = [leaves[name][0] if case.token_major else leaves[name] for name in FIELDS]  # [T, ...] or [1, T, ...]
     o, final = torch_gdr.distributed.context_parallel_chunk_gated_delta_rule(
-        *(leaves[name] for name in FIELDS), initial_state=_transpose_state(h0, case), output_final_state=True,
+        *inputs, initial_state=_transpose_state(h0, case), output_final_state=True,
         use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=ctx.cu_seqlens, chunk_size=case.chunk_size,
         state_v_first=case.state_v_first, cp_context=ctx)
     final = _transpose_state(final, case)
+    o = o.unsqueeze(0) if case.token_major else o
     ends = ctx.ends_here
     dht = data["dht"][ctx.sequence_ids] * ends[:, None, None, None]
     ((o * data["do"][:, lo:hi]).sum() + (final * dht.to(final.dtype)).sum()).backward()
@@ -283,7 +289,7 @@ def test_bad_use_is_a_clear_error(worlds, world_size: int, attempt: str, argumen
 def test_transition_trick_gives_the_product_of_token_transitions() -> None:
     """v = 0 (V := K) and initial state I: the final state is M = A_T ... A_1, with
     A_t = exp(g_t) (I - beta_t k_t k_t^T), and the span maps S to M S + E."""
-    case = Case("m", (37,), heads=1, v_heads=2, key_dim=6, value_dim=5)
+    case = Case("transition", (37,), heads=1, v_heads=2, key_dim=6, value_dim=5)
     data = global_inputs(case, seed=3)
     k, g, beta = data["k"][0], data["g"][0], data["beta"][0]
     eye = torch.eye(case.key_dim, dtype=torch.float64)
@@ -345,3 +351,13 @@ def test_plans_tile_every_sequence(seqlens, world_size, data) -> None:
         ranks = [r for r, _ in pieces[seq]]
         assert sum(n for _, n in pieces[seq]) == length and ranks == list(range(ranks[0], ranks[0] + len(ranks)))
     assert sorted(starts) == sorted(ends) == list(range(len(seqlens)))
+
+
+@pytest.mark.slow
+def test_example_matches_one_process() -> None:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in sys.path if p]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "examples/context_parallel.py", "--tokens", "4096", "--ranks", "2"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "OK: worst rmse ratio" in done.stdout, done.stdout

@@ -20,7 +20,7 @@ gradient of ``(M, E)`` back to the rank that computed it) and through the op's o
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,81 @@ def _zero_edge(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     collectives run on all ranks, in the same order."""
     never = torch.zeros((), dtype=torch.bool, device=x.device)
     return like.new_zeros(like.shape) + torch.where(never, x.sum(), 0).to(like.dtype)
+
+
+class LocalPass(NamedTuple):
+    """What one rank computes on its own (see :func:`local_pass`)."""
+
+    o: torch.Tensor  # [1, T_local, HV, V], outputs with a zero state entering the head
+    final: torch.Tensor  # [N_local, HV, K, V], final states, likewise
+    head_y: Optional[torch.Tensor]  # [1, head_len, HV, K]: Y_t = P_t^T (scale q_t) on the head's tokens
+    head_transition: Optional[torch.Tensor]  # [HV, K, K]: M of the head's local part
+    tail_piece: Optional[torch.Tensor]  # [HV, K, V + K]: [E | M] of the tail's local part (E with its h0)
+
+
+def _segments(ctx: CPContext) -> list[tuple[int, int, bool]]:
+    """The local sequences in up to three runs ``(first, stop, with_transition)``: the head if it
+    continues from an earlier rank, the middle, the tail if it goes on to a later rank (one
+    run when head and tail are one sequence). Only head and tail carry the extra columns."""
+    num_seqs = ctx.num_sequences
+    if ctx.head_continues and ctx.tail_continues and num_seqs == 1:
+        return [(0, 1, True)]
+    first = 1 if ctx.head_continues else 0
+    stop = num_seqs - 1 if ctx.tail_continues else num_seqs
+    runs = [(0, 1, True)] if ctx.head_continues else []
+    if stop > first:
+        runs.append((first, stop, False))
+    if ctx.tail_continues:
+        runs.append((num_seqs - 1, num_seqs, True))
+    return runs
+
+
+def local_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               scale: Optional[float], h0: Optional[torch.Tensor], ctx: CPContext, **op_kwargs) -> LocalPass:
+    """This rank's part: the public op on its slice, with ``K`` extra value columns (zero values,
+    identity initial state) on the head and tail sequences only.
+
+    Args:
+        q, k, v, g, beta: ``[1, T_local, ...]``, this rank's slice.
+        scale: as for the public call.
+        h0: ``[N_local, HV, K, V]`` key-first initial states in the state dtype (the head's row
+            zero), or None.
+        ctx: this rank's context.
+        op_kwargs: ``use_qk_l2norm_in_kernel``, ``chunk_size``, ``backend`` of the public call.
+    """
+    key_dim, value_dim, value_heads = q.shape[-1], v.shape[-1], v.shape[-2]
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    offsets = ctx.cu_seqlens.tolist()
+    outputs, finals = [], []
+    head_y = head_transition = tail_piece = None
+    for first, stop, with_transition in _segments(ctx):
+        lo, hi = offsets[first], offsets[stop]
+        rows = (h0[first:stop] if h0 is not None else
+                q.new_zeros((stop - first, value_heads, key_dim, value_dim), dtype=state_dtype))
+        if hi == lo:  # empty sequences only: the final state is the initial state
+            finals.append(rows)
+            continue
+        xs = [x[:, lo:hi] for x in (q, k, v, g, beta)]
+        if with_transition:
+            eye = torch.eye(key_dim, dtype=state_dtype, device=q.device).expand(stop - first, value_heads, -1, -1)
+            rows = torch.cat([rows, eye], dim=-1)
+            xs[2] = torch.cat([xs[2], xs[2].new_zeros(xs[2].shape[:-1] + (key_dim,))], dim=-1)
+        elif h0 is None:
+            rows = None
+        cu_seqlens = torch.tensor(offsets[first:stop + 1], dtype=torch.int64) - lo
+        o, final = _functional.chunk_gated_delta_rule(*xs, scale, rows, True, cu_seqlens=cu_seqlens,
+                                                      state_v_first=False, **op_kwargs)
+        assert final is not None
+        if with_transition:
+            if first == 0 and ctx.head_continues:
+                head_y = o[:, offsets[0]:offsets[1], :, value_dim:]
+                head_transition = final[0, ..., value_dim:]
+            if stop == ctx.num_sequences and ctx.tail_continues:
+                tail_piece = final[-1]
+            o, final = o[..., :value_dim], final[..., :value_dim]
+        outputs.append(o)
+        finals.append(final.to(state_dtype))
+    return LocalPass(torch.cat(outputs, dim=1), torch.cat(finals), head_y, head_transition, tail_piece)
 
 
 def check_context(cp_context: object, argument: str = "cp_context") -> CPContext:
@@ -103,8 +178,9 @@ def context_parallel_chunk_gated_delta_rule(
     ``(R - 1) * HV * K * (K + V) * b`` bytes per forward, R ranks, ``b = 4`` (8 for float64),
     and the same in the backward's reduce-scatter: O(R x crossing sequences x HV x (K x K +
     K x V)), independent of T, since a rank's piece serves the one sequence it passes on.
-    Compute: the local call carries ``K`` extra value columns (about ``(V + K) / V`` times the
-    plain call) on ranks whose first or last sequence crosses a boundary, none elsewhere.
+    Compute: the public op on the slice, in up to three calls (the head sequence, the middle,
+    the tail sequence); the head's and the tail's carry ``K`` extra value columns, so a slice
+    inside one sequence costs about what the plain op costs with ``V + K`` value columns.
 
     Every rank must make the call (the same number of times, in the same order), with grad
     mode alike, and, when training, backpropagate through its ``o``: the backward's
@@ -144,38 +220,25 @@ def context_parallel_chunk_gated_delta_rule(
         if ctx.head_continues:  # the head's entering state comes from the earlier ranks
             h0 = torch.cat([torch.zeros_like(h0[:1]), h0[1:]])
 
-    needs_transition = ctx.head_continues or ctx.tail_continues
-    if needs_transition:
-        # K extra value columns, zero values and identity initial state: they carry M and Y.
-        if h0 is None:
-            h0 = q.new_zeros((num_seqs, v.shape[-2], key_dim, value_dim), dtype=state_dtype)
-        eye = torch.eye(key_dim, dtype=state_dtype, device=q.device).expand(num_seqs, v.shape[-2], key_dim, key_dim)
-        h0 = torch.cat([h0, eye], dim=-1)
-        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (key_dim,))], dim=-1)
-    o, final = _functional.chunk_gated_delta_rule(
-        q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=ctx.cu_seqlens, chunk_size=chunk_size, state_v_first=False, backend=backend)
-    assert final is not None
-
+    parts = local_pass(q, k, v, g, beta, scale, h0, ctx, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       chunk_size=chunk_size, backend=backend)
+    o, final = parts.o, parts.final
     if ctx.any_crossing:
-        piece_shape = (v.shape[-2], key_dim, value_dim + key_dim)
-        piece = final[-1] if ctx.tail_continues else _zero_edge(final, final.new_empty(piece_shape))
+        piece = parts.tail_piece if parts.tail_piece is not None else _zero_edge(
+            final, final.new_empty((v.shape[-2], key_dim, value_dim + key_dim)))
         gathered = all_gather_pieces(piece, ctx)  # [R, HV, K, V + K]
         if ctx.head_continues:
-            entering = torch.zeros(piece_shape[:2] + (value_dim,), dtype=state_dtype, device=q.device)
+            assert parts.head_y is not None and parts.head_transition is not None
+            entering = torch.zeros_like(final[0])
             for source in ctx.head_ranks:
                 entering = gathered[source, ..., value_dim:] @ entering + gathered[source, ..., :value_dim]
-            head_len = int(ctx.cu_seqlens[1])
-            correction = torch.einsum("bthk,hkv->bthv", o[:, :head_len, :, value_dim:].to(state_dtype), entering)
-            head_o = (o[:, :head_len, :, :value_dim].to(state_dtype) + correction).to(o.dtype)
-            o = torch.cat([head_o, o[:, head_len:, :, :value_dim]], dim=1)
-            head_final = final[0, ..., :value_dim] + final[0, ..., value_dim:] @ entering
-            final = torch.cat([head_final.unsqueeze(0), final[1:, ..., :value_dim]])
+            head_len = parts.head_y.shape[1]
+            correction = torch.einsum("bthk,hkv->bthv", parts.head_y.to(state_dtype), entering)
+            head_o = (o[:, :head_len].to(state_dtype) + correction).to(o.dtype)
+            o = torch.cat([head_o, o[:, head_len:]], dim=1)
+            final = torch.cat([(final[0] + parts.head_transition @ entering).unsqueeze(0), final[1:]])
         else:
             o = o + _zero_edge(gathered, o.new_empty(()))
-    if needs_transition:
-        o = o[..., :value_dim]
-        final = final[..., :value_dim]
 
     if token_major:
         o = o.squeeze(0)

@@ -46,6 +46,13 @@ class CommStats:
             self.backward_bytes_sent += backward_bytes_sent
             self.seconds += seconds
 
+    def __getstate__(self) -> dict:  # picklable (the lock is not)
+        with self._lock:
+            return {name: getattr(self, name) for name in ("calls", "bytes_sent", "backward_bytes_sent", "seconds")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def reset(self) -> None:
         with self._lock:
             self.calls = self.bytes_sent = self.backward_bytes_sent = 0

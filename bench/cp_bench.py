@@ -3,15 +3,16 @@
     PYTHONPATH=. python bench/cp_bench.py                       # T 65,536, H 4, K = V 128, fp32
     PYTHONPATH=. python bench/cp_bench.py --tokens 8192 --ranks 1 2
 
-Per world size, every rank (one process, one torch thread) warms up, then runs its slice of
-the sequence ``--rounds`` times: the context-parallel forward, its backward, the plain op on
-the same slice (no context, grad enabled too: the cost of the extra columns is the difference), and
-``--collectives`` bare all-gathers of the state piece after a barrier. It prints, per rank,
-the best round of each: forward compute (the call less its collective), the plain forward,
-the backward (with its reduce-scatter), the bytes sent by the forward and the backward, and
-the median time of the bare collective. On a machine with fewer cores than ranks the ranks
-share cores (say so with the numbers): per-rank times then include the waits of
-oversubscription, and the collective's time the skew between ranks.
+Per world size, every rank (one process, one torch thread) warms up, then, ``--rounds``
+times (the best round is printed): (1) alone, while the other ranks wait at a barrier, its
+share of the work - forward and backward of the context-parallel call's local part (the op
+with the extra transition columns), and of the plain op on the same slice for comparison;
+(2) together, all ranks at once, the context-parallel forward (its collective included) and
+backward (its reduce-scatter included); then ``--collectives`` bare all-gathers of the
+``[HV, K, K + V]`` state piece after a barrier (median). It prints the bytes each rank sent
+in the forward and the backward. On a machine with fewer cores than ranks, "together" shares
+cores (oversubscription) and the forward's collective time includes the wait for the
+slowest rank; "alone" is each rank's compute on a core of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 import torch_gdr
 from torch_gdr.distributed import build_cp_context, context_parallel_chunk_gated_delta_rule
+from torch_gdr.distributed.chunk import local_pass
 from torch_gdr.distributed.collectives import all_gather_pieces
 from torch_gdr.distributed.launch import run_local
 
@@ -46,6 +48,20 @@ def slice_inputs(args: argparse.Namespace, lo: int, hi: int) -> list:
     return [x[:, lo:hi].clone() for x in (q, k, v, g, beta)]
 
 
+def _alone(rank: int, world_size: int, run) -> float:
+    """Seconds of ``run()`` on this rank while the other ranks wait at a barrier (its compute
+    on a core of its own)."""
+    seconds = 0.0
+    for turn in range(world_size):
+        dist.barrier()
+        if turn == rank:
+            began = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - began
+    dist.barrier()
+    return seconds
+
+
 def rank_main(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -> None:
     ctx = build_cp_context(torch.tensor([0, args.tokens]))
     lo, hi = ctx.slice_bounds[rank], ctx.slice_bounds[rank + 1]
@@ -53,27 +69,33 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace, out_dir: str
     warm = [x[:, :128].clone().requires_grad_() for x in inputs]
     torch_gdr.chunk_gated_delta_rule(*warm)[0].sum().backward()
 
-    rows = {"forward": [], "plain": [], "backward": [], "fwd_collective": []}
+    def local_fwd_bwd(plain: bool) -> None:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        if plain:
+            o, final = torch_gdr.chunk_gated_delta_rule(*leaves, output_final_state=True)
+            loss = o.sum() + final.sum()
+        else:  # what the context-parallel call computes on this rank, without its collective
+            parts = local_pass(*leaves, None, None, ctx, use_qk_l2norm_in_kernel=False, chunk_size=64, backend=None)
+            loss = sum(x.sum() for x in parts if x is not None)
+        loss.backward()
+
+    rows: dict[str, list] = {"alone": [], "alone_plain": [], "forward": [], "backward": [], "fwd_collective": []}
     for _ in range(args.rounds):
+        rows["alone"].append(_alone(rank, world_size, lambda: local_fwd_bwd(False)))
+        rows["alone_plain"].append(_alone(rank, world_size, lambda: local_fwd_bwd(True)))
         leaves = [x.clone().requires_grad_() for x in inputs]
         ctx.stats.reset()
         dist.barrier()
         began = time.perf_counter()
         o, final = context_parallel_chunk_gated_delta_rule(*leaves, output_final_state=True, cp_context=ctx)
-        forward = time.perf_counter() - began
+        rows["forward"].append(time.perf_counter() - began)
         rows["fwd_collective"].append(ctx.stats.seconds)
-        rows["forward"].append(forward - ctx.stats.seconds)
         dist.barrier()
         began = time.perf_counter()
         (o.sum() + final.sum()).backward()
         rows["backward"].append(time.perf_counter() - began)
         bytes_sent, backward_bytes = ctx.stats.bytes_sent, ctx.stats.backward_bytes_sent
         del o, final, leaves
-        leaves = [x.clone().requires_grad_() for x in inputs]
-        began = time.perf_counter()
-        torch_gdr.chunk_gated_delta_rule(*leaves, output_final_state=True)  # grad mode alike
-        rows["plain"].append(time.perf_counter() - began)
-        del leaves
 
     collective = []
     if world_size > 1:
@@ -100,16 +122,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"T {args.tokens}, H = HV {args.heads}, K = V {args.dim}, fp32, chunk 64, one sequence; "
           f"{os.cpu_count()} cores, torch {torch.__version__}, one torch thread per rank")
-    print("ranks | rank | tokens | fwd compute s | plain fwd s | bwd s | fwd collective (with skew) ms | "
-          "bytes sent fwd / bwd | bare all-gather ms")
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    print("ranks | rank | tokens | alone: fwd+bwd s (plain op s) | together: fwd s, bwd s | fwd collective "
+          "(incl. skew) ms | bytes sent fwd / bwd | bare all-gather ms")
     for world_size in args.ranks:
         with tempfile.TemporaryDirectory(prefix="torch_gdr-cp-bench-") as out_dir:
             run_local(rank_main, world_size, args, out_dir, timeout=1800.0)
             for rank in range(world_size):
                 r = torch.load(pathlib.Path(out_dir) / f"rank{rank}.pt")
-                print(f"{world_size} | {rank} | {r['tokens']} | {r['forward']:.2f} | {r['plain']:.2f} | "
-                      f"{r['backward']:.2f} | {r['fwd_collective'] * 1e3:.1f} | {r['bytes_sent']} / "
-                      f"{r['backward_bytes_sent']} | {r['collective'] * 1e3:.2f}", flush=True)
+                print(f"{world_size} | {rank} | {r['tokens']} | {r['alone']:.2f} ({r['alone_plain']:.2f}) | "
+                      f"{r['forward']:.2f}, {r['backward']:.2f} | {r['fwd_collective'] * 1e3:.1f} | "
+                      f"{r['bytes_sent']} / {r['backward_bytes_sent']} | {r['collective'] * 1e3:.2f}", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

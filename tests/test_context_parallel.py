@@ -11,6 +11,7 @@ layer's parameters, within 1e-10 in float64 and an rmse ratio of 1e-5 in float32
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import pathlib
 import subprocess
@@ -31,6 +32,13 @@ from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 TIMEOUT_S = 240.0
 FIELDS = ("q", "k", "v", "g", "beta")
+
+
+def cp_call():
+    """The public call once it takes ``cp_context=`` (the lead wires it), else the CP function."""
+    if "cp_context" in inspect.signature(torch_gdr.chunk_gated_delta_rule).parameters:
+        return torch_gdr.chunk_gated_delta_rule
+    return torch_gdr.distributed.context_parallel_chunk_gated_delta_rule
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ def _rank_case(rank: int, world_size: int, case: Case) -> dict:
     leaves = {name: data[name][:, lo:hi].clone().requires_grad_() for name in FIELDS}
     h0 = None if data["h0"] is None else data["h0"][ctx.sequence_ids].clone().requires_grad_()
     inputs = [leaves[name][0] if case.token_major else leaves[name] for name in FIELDS]  # [T, ...] or [1, T, ...]
-    o, final = torch_gdr.distributed.context_parallel_chunk_gated_delta_rule(
+    o, final = cp_call()(
         *inputs, initial_state=_transpose_state(h0, case), output_final_state=True,
         use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=ctx.cu_seqlens, chunk_size=case.chunk_size,
         state_v_first=case.state_v_first, cp_context=ctx)
@@ -334,9 +342,10 @@ def test_plans_tile_every_sequence(seqlens, world_size, data) -> None:
     bounds = (0, *cuts, total)
     cu_seqlens = cu_seqlens_of(tuple(seqlens))
     pieces: dict[int, list] = {n: [] for n in range(len(seqlens))}
-    starts, ends = [], []
+    starts, ends, crossing = [], [], set()
     for rank in range(world_size):
         ctx = plan_context(cu_seqlens, world_size, rank, bounds)
+        crossing.add(ctx.any_crossing)
         lengths = (ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]).tolist()
         assert ctx.cu_seqlens[-1] == bounds[rank + 1] - bounds[rank]
         for seq, length in zip(ctx.sequence_ids.tolist(), lengths):
@@ -351,6 +360,7 @@ def test_plans_tile_every_sequence(seqlens, world_size, data) -> None:
         ranks = [r for r, _ in pieces[seq]]
         assert sum(n for _, n in pieces[seq]) == length and ranks == list(range(ranks[0], ranks[0] + len(ranks)))
     assert sorted(starts) == sorted(ends) == list(range(len(seqlens)))
+    assert crossing == {any(len(p) > 1 for p in pieces.values())}, "every rank knows whether any sequence crosses"
 
 
 @pytest.mark.slow

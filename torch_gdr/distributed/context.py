@@ -15,6 +15,7 @@ and one where it ends.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -156,10 +157,7 @@ def _slice_bounds(total: int, world_size: int, slice_bounds: Optional[Sequence[i
 
 def _owner(position: int, bounds: tuple[int, ...]) -> int:
     """Rank whose slice contains global token ``position`` (the last rank for ``position == T``)."""
-    for rank in range(len(bounds) - 1):
-        if position < bounds[rank + 1]:
-            return rank
-    return len(bounds) - 2
+    return min(bisect.bisect_right(bounds, position) - 1, len(bounds) - 2)
 
 
 def plan_context(cu_seqlens: torch.Tensor, world_size: int, rank: int, slice_bounds: Optional[Sequence[int]] = None,
@@ -185,7 +183,8 @@ def plan_context(cu_seqlens: torch.Tensor, world_size: int, rank: int, slice_bou
     tail_continues = bool(local_ids) and ends[local_ids[-1]] > end
     head_start = starts[local_ids[0]] if head_continues else start
     head_ranks = tuple(range(_owner(head_start, bounds), rank)) if head_continues else ()
-    any_crossing = any(a < b_r < b for a, b in zip(starts, ends) for b_r in bounds[1:-1])
+    inner = bounds[1:-1]  # a sequence crosses a boundary when one lies strictly inside it
+    any_crossing = any(bisect.bisect_right(inner, a) < bisect.bisect_left(inner, b) for a, b in zip(starts, ends))
     return CPContext(
         group=group, world_size=world_size, rank=rank, slice_bounds=bounds, global_cu_seqlens=offsets,
         cu_seqlens=torch.tensor(local_offsets, dtype=torch.int64),

@@ -133,7 +133,8 @@ def _as_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"cu_seqlens: expected an int32/int64 tensor, got {cu_seqlens.dtype}")
     offsets = cu_seqlens.detach().to(device="cpu", dtype=torch.int64)
     if offsets.dim() != 1 or offsets.numel() < 2:
-        raise ValueError(f"cu_seqlens: expected the global offsets [N + 1] with N >= 1, got shape {list(offsets.shape)}")
+        raise ValueError(f"cu_seqlens: expected the global offsets [N + 1] with N >= 1, "
+                         f"got shape {list(offsets.shape)}")
     if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets starting at 0, got {offsets.tolist()}")
     return offsets

@@ -127,7 +127,8 @@ def main() -> None:
           "(incl. skew) ms | bytes sent fwd / bwd | bare all-gather ms")
     for world_size in args.ranks:
         with tempfile.TemporaryDirectory(prefix="torch_gdr-cp-bench-") as out_dir:
-            run_local(rank_main, world_size, args, out_dir, timeout=1800.0)
+            run_local(rank_main, world_size, args, out_dir, timeout=1800.0,
+                      preload=("torch", "torch._dynamo", "torch_gdr"))
             for rank in range(world_size):
                 r = torch.load(pathlib.Path(out_dir) / f"rank{rank}.pt")
                 print(f"{world_size} | {rank} | {r['tokens']} | {r['alone']:.2f} ({r['alone_plain']:.2f}) | "

@@ -2,17 +2,20 @@
 
     run_local(fn, world_size, *args, timeout=120.0)    # calls fn(rank, world_size, *args)
 
-Each rank joins a gloo group on a free port of 127.0.0.1 (loopback only), runs with one torch
+Ranks are fresh ``spawn`` processes, or, with ``preload``, forked from a fork server that
+imported those modules once (torch's import and the first custom-op call cost seconds of CPU
+per process otherwise). Each rank joins a gloo group on a free port of 127.0.0.1 (loopback only), runs with one torch
 thread, and leaves the group when ``fn`` returns. A rank that raises, or a run that passes
 ``timeout`` seconds (a hang), ends every rank and raises here.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,8 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, th
         dist.destroy_process_group()
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1) -> None:
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1,
+              preload: Sequence[str] = ()) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined by gloo.
 
     Args:
@@ -45,14 +49,21 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         args: picklable arguments.
         timeout: seconds for the whole run; past it every rank is ended and TimeoutError raised.
         threads: torch threads per rank.
+        preload: module names to import once in a fork server that then forks the ranks
+            (``"forkserver"`` start method: each rank starts without importing torch again);
+            empty: every rank is a fresh ``"spawn"`` process.
 
     Raises:
         TimeoutError: the run took longer than ``timeout`` (a hang).
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included).
     """
     port = _free_port()
+    start_method = "spawn"
+    if preload:
+        start_method = "forkserver"
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     processes = mp.start_processes(_rank_main, args=(fn, world_size, port, threads, args), nprocs=world_size,
-                                   join=False, start_method="spawn")
+                                   join=False, start_method=start_method)
     deadline = time.monotonic() + timeout
     try:
         while not processes.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):

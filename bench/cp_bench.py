@@ -6,7 +6,8 @@
 Per world size, every rank (one process, one torch thread) warms up, then, ``--rounds``
 times (the best round is printed): (1) alone, while the other ranks wait at a barrier, its
 share of the work - forward and backward of the context-parallel call's local part (the op
-with the extra transition columns), and of the plain op on the same slice for comparison;
+with the extra transition columns), and of the plain op on the same slice for comparison,
+in alternating rounds (their median ratio is printed too);
 (2) together, all ranks at once, the context-parallel forward (its collective included) and
 backward (its reduce-scatter included); then ``--collectives`` bare all-gathers of the
 ``[HV, K, K + V]`` state piece after a barrier (median). It prints the bytes each rank sent
@@ -48,18 +49,14 @@ def slice_inputs(args: argparse.Namespace, lo: int, hi: int) -> list:
     return [x[:, lo:hi].clone() for x in (q, k, v, g, beta)]
 
 
-def _alone(rank: int, world_size: int, run) -> float:
-    """Seconds of ``run()`` on this rank while the other ranks wait at a barrier (its compute
-    on a core of its own)."""
-    seconds = 0.0
+def _alone(rank: int, world_size: int, run) -> None:
+    """``run()`` on this rank while the other ranks wait at a barrier (its compute on a core of
+    its own), one rank after the other."""
     for turn in range(world_size):
         dist.barrier()
         if turn == rank:
-            began = time.perf_counter()
             run()
-            seconds = time.perf_counter() - began
     dist.barrier()
-    return seconds
 
 
 def rank_main(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -> None:
@@ -80,9 +77,18 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace, out_dir: str
         loss.backward()
 
     rows: dict[str, list] = {"alone": [], "alone_plain": [], "forward": [], "backward": [], "fwd_collective": []}
+
+    def alternate() -> None:  # the two in alternating rounds, so that a busy moment hits both
+        pair = ((False, "alone"), (True, "alone_plain"))
+        for round_index in range(args.rounds):
+            for plain, key in pair if round_index % 2 == 0 else pair[::-1]:
+                began = time.perf_counter()
+                local_fwd_bwd(plain)
+                rows[key].append(time.perf_counter() - began)
+
+    _alone(rank, world_size, alternate)
+    ratio = statistics.median(a / b for a, b in zip(rows["alone"], rows["alone_plain"]))
     for _ in range(args.rounds):
-        rows["alone"].append(_alone(rank, world_size, lambda: local_fwd_bwd(False)))
-        rows["alone_plain"].append(_alone(rank, world_size, lambda: local_fwd_bwd(True)))
         leaves = [x.clone().requires_grad_() for x in inputs]
         ctx.stats.reset()
         dist.barrier()
@@ -106,7 +112,7 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace, out_dir: str
             all_gather_pieces(piece, ctx)
             collective.append(time.perf_counter() - began)
     result = {"rank": rank, "tokens": hi - lo, **{k: min(v) for k, v in rows.items()},
-              "bytes_sent": bytes_sent, "backward_bytes_sent": backward_bytes,
+              "ratio": ratio, "bytes_sent": bytes_sent, "backward_bytes_sent": backward_bytes,
               "collective": statistics.median(collective) if collective else 0.0}
     torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
 
@@ -117,13 +123,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128, help="K = V")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--collectives", type=int, default=5)
     args = parser.parse_args()
     print(f"T {args.tokens}, H = HV {args.heads}, K = V {args.dim}, fp32, chunk 64, one sequence; "
           f"{os.cpu_count()} cores, torch {torch.__version__}, one torch thread per rank")
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
-    print("ranks | rank | tokens | alone: fwd+bwd s (plain op s) | together: fwd s, bwd s | fwd collective "
+    print("ranks | rank | tokens | alone: fwd+bwd s (plain op s, median ratio) | together: fwd s, bwd s | fwd collective "
           "(incl. skew) ms | bytes sent fwd / bwd | bare all-gather ms")
     for world_size in args.ranks:
         with tempfile.TemporaryDirectory(prefix="torch_gdr-cp-bench-") as out_dir:
@@ -131,7 +137,7 @@ def main() -> None:
                       preload=("torch", "torch._dynamo", "torch_gdr"))
             for rank in range(world_size):
                 r = torch.load(pathlib.Path(out_dir) / f"rank{rank}.pt")
-                print(f"{world_size} | {rank} | {r['tokens']} | {r['alone']:.2f} ({r['alone_plain']:.2f}) | "
+                print(f"{world_size} | {rank} | {r['tokens']} | {r['alone']:.2f} ({r['alone_plain']:.2f}, {r['ratio']:.2f}x) | "
                       f"{r['forward']:.2f}, {r['backward']:.2f} | {r['fwd_collective'] * 1e3:.1f} | "
                       f"{r['bytes_sent']} / {r['backward_bytes_sent']} | {r['collective'] * 1e3:.2f}", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")

@@ -216,11 +216,13 @@ def build_cp_context(cu_seqlens: torch.Tensor, group: Optional[dist.ProcessGroup
     Raises:
         ValueError: offsets that are not non-decreasing from 0, slices that do not tile the
             ``T`` tokens of ``cu_seqlens`` (or ``T`` not divisible by the group size), no
-            initialised process group.
+            initialised process group, a group this process is not in.
         TypeError: non-integer ``cu_seqlens``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
     world_size = dist.get_world_size(group=group)
     rank = dist.get_rank(group=group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the group")
     return plan_context(cu_seqlens, world_size, rank, slice_bounds, group=group)

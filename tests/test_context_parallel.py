@@ -1,7 +1,8 @@
 """Context parallelism: ranks that each hold a slice of a packed batch reproduce the single call.
 
-The distributed tests spawn one gloo world of 2 and one of 4 CPU ranks (loopback only, one
-torch thread each, a timeout so a hang fails), run every case inside it, and save each rank's
+The distributed tests start one gloo world of 2 and one of 4 CPU ranks (processes forked from
+a fork server that imported torch once; loopback only, one torch thread each, a timeout so a
+hang fails), run every case inside it, and save each rank's
 outputs and gradients; the test process assembles them and compares them with the
 single-process call (itself checked against the per-token recurrence by the op's tests):
 outputs, final states and the gradients of q, k, v, g, beta, the initial states and the
@@ -16,11 +17,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -292,6 +295,18 @@ def test_bad_use_is_a_clear_error(worlds, world_size: int, attempt: str, argumen
     for r in worlds(world_size):
         message = r["errors"][attempt]
         assert message.startswith(f"ValueError: {argument}:"), message
+
+
+def _hang(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins it
+    else:
+        time.sleep(600)
+
+
+def test_a_hang_fails_within_the_timeout() -> None:
+    with pytest.raises(TimeoutError):
+        run_local(_hang, 2, timeout=3.0, preload=PRELOAD)
 
 
 # ---------------------------------------------------------------- single process, no group

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -10,6 +10,9 @@ from torch_gdr._validate import check_inputs
 from torch_gdr.dispatch.backends import run_forward
 from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent_reference
+
+if TYPE_CHECKING:
+    from torch_gdr.distributed import CPContext
 
 
 def chunk_gated_delta_rule(
@@ -28,6 +31,7 @@ def chunk_gated_delta_rule(
     state_v_first: bool = False,
     backend: Optional[str] = None,
     checkpoint_every: Optional[int] = None,
+    cp_context: Optional["CPContext"] = None,
 ) -> tuple[Optional[torch.Tensor], ...]:
     r"""The chunked gated delta rule, a drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
@@ -67,6 +71,11 @@ def chunk_gated_delta_rule(
             state after every ``checkpoint_every`` tokens of each sequence, a positive multiple
             of ``chunk_size`` (FlashInfer's ``state_checkpoints`` convention, see
             :mod:`torch_gdr.ref.checkpoints`); inference only (no autograd), pure-torch path.
+        cp_context: context parallelism (:func:`torch_gdr.distributed.build_cp_context`, fla's
+            name): the tensors are this rank's slice ``[1, T_local, ...]`` of a packed batch
+            split over the context's process group, ``cu_seqlens`` None or the context's local
+            offsets; every rank calls together (one all-gather forward, one in the backward).
+            See :func:`torch_gdr.distributed.context_parallel_chunk_gated_delta_rule`.
 
     Returns:
         ``o`` in the shape of v and dtype of v (q/k may have another float dtype than v), and
@@ -83,6 +92,13 @@ def chunk_gated_delta_rule(
         torch_gdr.dispatch.PyptoBackendError: ``backend="pypto"`` was named and the kernel
             cannot serve the call (pypto absent, an unsupported head dim, dtype or chunk size).
     """
+    if cp_context is not None:
+        from torch_gdr.distributed import context_parallel_chunk_gated_delta_rule
+
+        return context_parallel_chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            state_v_first=state_v_first, backend=backend, cp_context=cp_context)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     if checkpoint_every is not None:

@@ -159,7 +159,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[GatedDeltaNetCache] = None) -> torch.Tensor:
+                cache: Optional[GatedDeltaNetCache] = None, *, cp_context: Optional[Any] = None) -> torch.Tensor:
         """Mix tokens.
 
         Args:
@@ -177,6 +177,11 @@ class GatedDeltaNet(nn.Module):
                 (:attr:`cache_key`) when there is one, else from zeros, and stores its states
                 after the call: N = B (or the number of packed sequences) sequences.
                 A call with T = 1 on a filled cache is a decode step.
+            cp_context: a :class:`torch_gdr.distributed.CPContext` (context parallelism):
+                hidden_states is this rank's slice ``[1, T_local, hidden]`` of a packed batch
+                split over the context's group; the conv gets the earlier ranks' last inputs
+                (a halo exchange) and the recurrence their state. No cache; ``cu_seqlens``
+                None or the context's local offsets.
 
         Returns:
             ``[B, T, hidden]``, dtype of hidden_states.
@@ -213,7 +218,12 @@ class GatedDeltaNet(nn.Module):
                                  f"{'' if cu_seqlens is None else ' with cu_seqlens'}); pass a new cache for a "
                                  "new batch, or cache.reorder(index) to keep some of its sequences")
         mixed, z, b, a = self._project(hidden_states)
-        mixed, conv_state = self.conv1d(mixed, initial_state=None if previous is None else previous.conv_state,
+        conv_initial, op = (None if previous is None else previous.conv_state), _functional.chunk_gated_delta_rule
+        if cp_context is not None:
+            from torch_gdr.distributed.layer import context_parallel_layer_inputs
+            conv_initial, cu_seqlens, op = context_parallel_layer_inputs(cp_context, mixed, self.conv_kernel_size,
+                                                                         cu_seqlens, cache)
+        mixed, conv_state = self.conv1d(mixed, initial_state=conv_initial,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
@@ -231,12 +241,12 @@ class GatedDeltaNet(nn.Module):
         is_step = previous is not None and seq_len == 1 and cu_seqlens is None
         backend = (self.decode_backend or self.backend) if is_step else self.backend
         initial_state = None if previous is None else previous.recurrent_state
-        if self._use_recurrent_step(seq_len, cu_seqlens, backend):
+        if cp_context is None and self._use_recurrent_step(seq_len, cu_seqlens, backend):
             o, recurrent_state = _functional.fused_recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, output_final_state=cache is not None,
                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         else:
-            o, recurrent_state = _functional.chunk_gated_delta_rule(
+            o, recurrent_state = op(
                 q, k, v, g, beta,
                 initial_state=initial_state,
                 output_final_state=cache is not None,

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["chunk_gated_delta_rule", "chunked_gated_delta_rule", "fused_recurrent_gated_delta_rule", "integrations",
            "nn", "__version__"]
 
-_LAZY_SUBMODULES = ("integrations", "dispatch", "ref", "testing")
+_LAZY_SUBMODULES = ("integrations", "distributed", "dispatch", "ref", "testing")
 
 
 def __getattr__(name: str) -> _Any:

@@ -8,6 +8,7 @@ import torch
 
 import torch_gdr
 from tests.helpers import make_inputs
+from torch_gdr.ops.pypto import is_pypto_available
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 BACKENDS = ["torch", "recurrent"]
@@ -84,3 +85,20 @@ def test_a_nonfinite_input_spreads_only_as_in_the_recurrence(case: str, backend:
     finite = torch.isfinite(exact_o)
     assert (o.double() - exact_o)[finite].abs().max().item() < 1e-5
     assert torch.isfinite(o[0, : index[1]]).all(), "an output before the bad token is not finite"
+
+
+@pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed")
+@pytest.mark.parametrize("case", ["v_nan", "k_inf", "g_nan"])
+def test_a_nonfinite_input_spreads_only_as_in_the_recurrence_pypto(case: str) -> None:
+    """The PyPTO kernel (interpreter) under the same rule, at a head dim it takes."""
+    name, index, value = NONFINITE[case]
+    inputs = make_inputs(seqlens=[200, 30], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                         dtype=torch.float32)
+    inputs[name][index] = value
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(
+        **{n: (t.double() if t.is_floating_point() else t) for n, t in inputs.items()}, use_qk_l2norm_in_kernel=True)
+    o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            backend="pypto")
+    assert torch.equal(torch.isfinite(o), torch.isfinite(exact_o))
+    assert torch.equal(torch.isfinite(s), torch.isfinite(exact_s))
+    assert (o.double() - exact_o)[torch.isfinite(exact_o)].abs().max().item() < 1e-5

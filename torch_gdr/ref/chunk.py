@@ -28,7 +28,7 @@ import torch
 from torch_gdr._layout import GdrCall
 from torch_gdr.ref.chunk_layout import layout_for_call
 from torch_gdr.ref.chunk_states import ChunkStates
-from torch_gdr.ref.nonfinite import find_nonfinite, outputs_finite, poison, sanitised
+from torch_gdr.ref.nonfinite import contained
 from torch_gdr.ref.segment import Workspace, batched, bmm, load_segment, state_scan
 
 Tensor = torch.Tensor
@@ -44,13 +44,8 @@ def chunk_gated_delta_rule_fwd(call: GdrCall, save_states: bool = False) -> tupl
         ``[rows, K, V]``), what :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd`
         takes as ``chunk_states`` instead of recomputing them; else None.
     """
-    o, final_state, states = _chunked_forward(call, save_states)
-    if not outputs_finite(o, final_state):  # a NaN or inf in k, v, g or beta: keep it where the recurrence does
-        bad = find_nonfinite(call)
-        if bad is not None:
-            o, final_state, states = _chunked_forward(sanitised(call, bad), save_states)
-            o, final_state = poison(call, bad, o, final_state)
-    return o, final_state, states
+    # a NaN or inf in k, v, g or beta: kept where the recurrence keeps it
+    return contained(_chunked_forward, call, save_states)
 
 
 def _chunked_forward(call: GdrCall, save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:

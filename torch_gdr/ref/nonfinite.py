@@ -16,7 +16,7 @@ its own token's output in both algorithms and needs nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -86,3 +86,16 @@ def poison(call: GdrCall, bad: Nonfinite, o: Tensor, final_state: Tensor) -> tup
     o = o.masked_fill(from_first_bad, float("nan"))
     final_state = final_state.masked_fill(columns[..., None, :], float("nan"))
     return o, final_state
+
+
+def contained(forward: Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[Tensor]]], call: GdrCall,
+              save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``forward(call, save_states)`` (any chunked forward: ``(o, final_state, states)``) with
+    its non-finite inputs kept where the recurrence keeps them (the module doc)."""
+    o, final_state, states = forward(call, save_states)
+    if not outputs_finite(o, final_state):
+        bad = find_nonfinite(call)
+        if bad is not None:
+            o, final_state, states = forward(sanitised(call, bad), save_states)
+            o, final_state = poison(call, bad, o, final_state)
+    return o, final_state, states

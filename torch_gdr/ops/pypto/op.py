@@ -25,6 +25,7 @@ from torch_gdr._validate import check_inputs
 from torch_gdr.ops._define import define_backend, define_backward_op, run_forward
 from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ref.nonfinite import contained
 
 from . import spec
 from .backward import launch_backward
@@ -50,7 +51,12 @@ def _packed(call: GdrCall) -> tuple[Tensor, int]:
 
 def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The forward kernel on a call in the canonical layout; with ``save_chunk_states`` also
-    the state entering every kernel chunk, ``[C, HV, K, V]`` fp32 (what the backward reads)."""
+    the state entering every kernel chunk, ``[C, HV, K, V]`` fp32 (what the backward reads).
+    A NaN or inf in the inputs spreads as in the recurrence (:mod:`torch_gdr.ref.nonfinite`)."""
+    return contained(_kernel_forward, call, save_chunk_states)
+
+
+def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     cu_seqlens, _ = _packed(call)
     o, final_state, chunk_states = launch_forward(

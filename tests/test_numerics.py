@@ -102,3 +102,29 @@ def test_a_nonfinite_input_spreads_only_as_in_the_recurrence_pypto(case: str) ->
     assert torch.equal(torch.isfinite(o), torch.isfinite(exact_o))
     assert torch.equal(torch.isfinite(s), torch.isfinite(exact_s))
     assert (o.double() - exact_o)[torch.isfinite(exact_o)].abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed")
+@pytest.mark.parametrize("big", [-1e6, float("-inf")])
+def test_extreme_decays_pypto_forward_and_backward(big: float) -> None:
+    """The PyPTO kernels (interpreter) under extreme decays: the forward at the recurrence's
+    accuracy, every gradient within the kernel tests' bound of autograd through it."""
+    inputs = make_inputs(seqlens=[200, 37], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+                         dtype=torch.float32, with_initial_state=True)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    inputs["g"] = _extreme_gates(inputs["g"], big)
+    leaves = {n: (t.clone().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+    exact = {n: (t.double().clone().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(**exact, use_qk_l2norm_in_kernel=True)
+    fp32_o, _ = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+    o, s = torch_gdr.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            backend="pypto")
+    bound = max(4 * (fp32_o.double() - exact_o).abs().max().item(), 1e-6)
+    assert (o.double() - exact_o.detach()).abs().max().item() <= bound
+    assert (s.double() - exact_s.detach()).abs().max().item() <= 4 * bound
+    (o.sum() + s.square().sum()).backward()
+    (exact_o.sum() + exact_s.square().sum()).backward()
+    for n, t in exact.items():
+        if t.is_floating_point():
+            err = (leaves[n].grad.double() - t.grad).abs()
+            assert (err <= 1e-3 * t.grad.abs() + 1e-4).all(), f"d{n}: max abs err {err.max():.3g}"

@@ -233,6 +233,32 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     return y
 
 
+#: Log decays below this are raised to it inside a chunk: every partial sum holding one is
+#: then below -1e4 + (the rest), whose exp is 0 in float32 exactly as the true value's
+#: (exp underflows below about -104), and a g of -inf (a reset) gives no inf - inf.
+DECAY_FLOOR = -1.0e4
+
+
+def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+    """``gamma [l, 1]`` (the within-chunk cumsum of g), ``Gamma [l, l]`` and the decay to the
+    chunk's end ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
+
+    The exponents of Gamma are partial sums of g over ``(s, r]`` taken directly, as one
+    matmul of the inclusive lower triangle with ``g_t [t > s]``, never the difference of two
+    cumulative sums: next to a token of g = -1e6 those cancel in float32. The decay to the
+    end is Gamma's last row (transposed)."""
+    pypto = import_pypto()
+    fp32 = pypto.DT_FP32
+    lower, strict = masks[MASK_LOWER], masks[MASK_STRICT_LOWER]
+    g = pypto.maximum(g, DECAY_FLOOR)
+    gamma = pypto.cumsum(g, 0)  # [l, 1]
+    terms = pypto.expand_clone(g, [chunk_size, chunk_size]) * strict  # [t, s]: g_t where t > s
+    exponent = pypto.matmul(lower, terms, fp32)  # [r, s]: the sum of g over (s, r]
+    decay = pypto.exp(exponent) * lower  # Gamma incl. diagonal
+    to_end = pypto.transpose(pypto.view(exponent, [1, chunk_size], [chunk_size - 1, 0]), 0, 1)  # [l, 1]
+    return gamma, decay, pypto.exp(to_end)
+
+
 def _chunk_terms(
     q: Any, k: Any, v: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float, use_qk_l2norm: bool,
     chunk_size: int, vec_rows: int,
@@ -248,13 +274,9 @@ def _chunk_terms(
         k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
     q = q * scale
 
-    lower = masks[MASK_LOWER]
-    gamma = pypto.cumsum(g, 0)  # [l, 1] within-chunk cumsum
-    gamma_row = pypto.transpose(gamma, 0, 1)  # [1, l]
-    decay = pypto.exp((gamma - gamma_row) * lower) * lower  # Gamma incl. diagonal, [l, l]
+    gamma, decay, decay_out = chunk_decays(g, masks, chunk_size)
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
     decay_in = pypto.exp(gamma)  # [l, 1]
-    decay_out = pypto.exp(gamma_last - gamma)  # [l, 1]
 
     k_beta = k * beta
     a = pypto.matmul(k_beta, k, fp32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]

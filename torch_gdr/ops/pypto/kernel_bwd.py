@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from ._env import import_pypto
+from .kernel import chunk_decays
 from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES
 from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 
@@ -176,11 +177,9 @@ def _chunk_backward(
     q = q * scale
 
     # The forward's chunk quantities.
-    gamma = pypto.matmul(lower, g, fp32)  # [l, 1]
-    decay = pypto.exp((gamma - pypto.transpose(gamma, 0, 1)) * lower) * lower  # Gamma, [l, l]
+    gamma, decay, decay_out = chunk_decays(g, masks, chunk_size)  # partial sums of g, no cancellation
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
     decay_in = pypto.exp(gamma)  # [l, 1]
-    decay_out = pypto.exp(gamma_last - gamma)  # [l, 1]
     chunk_decay = pypto.exp(gamma_last)  # [1, 1]
     gram = pypto.matmul(k, k, fp32, b_trans=True) * decay * strict  # G
     t_inv = _invert_unit_lower(gram * beta, masks, chunk_size)

@@ -61,6 +61,13 @@ def _state(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
+def _total_chunks(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> int:
+    if cu_seqlens is None:
+        return v.shape[0] * -(-v.shape[1] // chunk_size)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return int(((lengths + chunk_size - 1) // chunk_size).sum())
+
+
 def _scale(scale: Optional[float], q: Tensor) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
@@ -117,6 +124,11 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     if chunk_states is None:
         _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
                                            cu, int(chunk_size), True, False)
+    else:
+        expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
+        if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:
+            raise ValueError(f"chunk_states: expected float32 of shape {list(expected)} for this call, got "
+                             f"{chunk_states.dtype} of shape {list(chunk_states.shape)}")
     grads = ext.chunk_bwd(grad_o.to(v.dtype).contiguous(), _state(grad_final_state), q_, k_, v_, g_, beta_, scale_,
                           initial_state is not None, bool(use_qk_l2norm), cu, int(chunk_size),
                           chunk_states.contiguous())

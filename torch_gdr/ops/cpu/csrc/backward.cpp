@@ -240,7 +240,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
             gemm(false, false, C, K, 2 * C, 1.0f, lhs, 2 * C, t.qk, K, 1.0f, dk_acc, K);
             // From Kb = beta exp(gamma) K (rows C: of xs hold -dKb) and Kd = exp(gamma_C - gamma) K.
             gemm(false, true, C, K, V, 1.0f, it.vnew(), V, it.ds(), V, 0.0f, dkd, K);
-            float tsum = 0.0f;
+            float* tr_row = colsum;  // tr[r] = sum(dKd_r * Kd_r): a gradient of g_j for every j > r
             for (int64_t r = 0; r < C; ++r) {
               const float* ndkb = xs + (C + r) * K;
               const float* kr = t.key() + r * K;
@@ -248,20 +248,26 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
               float* dkr = dk_acc + r * K;
               const float ge = t.gexp[r], be = t.beta[r] * ge, kd = t.kdec[r];
               const float s_kb = -dot(ndkb, kr, K);
-              // exp(gamma_C - gamma_r) depends on g after r only: none for the last row.
-              const float tr = r < C - 1 ? kd * dot(dkdr, kr, K) : 0.0f;
+              tr_row[r] = kd * dot(dkdr, kr, K);
               dbeta_r[r] += ge * s_kb;
-              dgamma[r] += be * s_kb - tr;
-              tsum += tr;
+              dgamma[r] += be * s_kb;
 #pragma omp simd
               for (int64_t j = 0; j < K; ++j) dkr[j] += kd * dkdr[j] - be * ndkb[j];
             }
-            dgamma[C - 1] += tsum + t.chunk_decay() * dot(it.ds(), s_in, state_size);
-            // dg = reverse cumsum of dgamma within the chunk; dv = beta dVb.
+            dgamma[C - 1] += t.chunk_decay() * dot(it.ds(), s_in, state_size);
+            // dg = reverse cumsum of dgamma within the chunk, plus the decays to the chunk's
+            // end, exp(sum of g over (r, C)), as an exclusive prefix sum of tr: summed as
+            // -tr at r and +tr at the end, the two would cancel for j <= r, and with an
+            // O(1) tr (no decay left after r, e.g. in a padded tail) drown tiny gradients.
             float run = 0.0f;
             for (int64_t r = C - 1; r >= 0; --r) {
               run += dgamma[r];
               dgamma[r] = run;
+            }
+            run = 0.0f;
+            for (int64_t r = 0; r < C; ++r) {
+              dgamma[r] += run;
+              run += tr_row[r];
             }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t idx = (t0 + r) * HV + h;

@@ -14,17 +14,18 @@ namespace {
 
 struct BackwardItem {
   int64_t C, K, V;
-  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 3 * C * C + 3 * C * K + 2 * C * V + K * V + 16; }
+  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 3 * C * C + 3 * C * K + 3 * C * V + K * V + 16; }
   float* base;
   float* inv() const { return base; }              // [C, C]: T
   float* gram() const { return inv() + C * C; }    // [C, C]: G
   float* attn() const { return gram() + C * C; }   // [C, C]: P (scaled)
-  float* qg() const { return attn() + C * C; }     // [C, K]
-  float* kd() const { return qg() + C * K; }       // [C, K]
-  float* w() const { return kd() + C * K; }        // [C, K]
-  float* vnew() const { return w() + C * K; }      // [C, V]: V'
-  float* dvnew() const { return vnew() + C * V; }  // [C, V]: dV'
-  float* ds() const { return dvnew() + C * V; }    // [K, V]: dS', the gradient on the state leaving the chunk
+  float* qg() const { return attn() + C * C; }     // [2C, K]: rows :C Qg, rows C: -W
+  float* neg_w() const { return qg() + C * K; }
+  float* kd() const { return qg() + 2 * C * K; }   // [C, K]
+  float* vnew() const { return kd() + C * K; }     // [C, V]: V'
+  float* dov() const { return vnew() + C * V; }    // [2C, V]: rows :C dO, rows C: dV'
+  float* dvnew() const { return dov() + C * V; }
+  float* ds() const { return dov() + 2 * C * V; }  // [K, V]: dS', the gradient on the state leaving the chunk
   float* meta() const { return ds() + K * V; }     // [0] chunk decay
 };
 
@@ -65,13 +66,11 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
     std::memset(carry, 0, sizeof(float) * N * HV * state_size);
 
   const int64_t item_floats = BackwardItem::floats(C, K, V);
-  const auto segments = make_segments(p, item_floats * sizeof(float), int64_t(8) << 20);
+  const auto segments = make_segments(p, item_floats * sizeof(float), kBackwardBudget);
   int64_t max_slots = 0;
   for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
-  std::vector<float> store(static_cast<size_t>(max_slots * HV * item_floats));
-  auto item_at = [&](int64_t slot, int64_t h) {
-    return BackwardItem{C, K, V, store.data() + (slot * HV + h) * item_floats};
-  };
+  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
+  auto item_at = [&](int64_t slot, int64_t h) { return BackwardItem{C, K, V, store + (slot * HV + h) * item_floats}; };
   auto state_at = [&](int64_t n, int64_t c, int64_t h) {
     return chunk_states + ((chunk_off[n] + c) * HV + h) * state_size;
   };
@@ -81,20 +80,20 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
     const int64_t nact = static_cast<int64_t>(seg.active.size());
     // 1. The intra-chunk part and V'.
     parallel_items(
-        p.threads, seg.slots() * HV, [&] { return std::vector<float>(Tile::floats(C, K, V) + 3 * C * C + C * V); },
-        [&](std::vector<float>& scratch, int64_t i) {
+        p.threads, seg.slots() * HV, Tile::floats(C, K, V) + 3 * C * C + C * V,
+        [&](float* scratch, int64_t i) {
           const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
           const int64_t n = seg.active[a];
           if (c >= p.num_chunks(n)) return;
           Tile t;
-          t.bind(scratch.data(), C, K, V);
-          float* sim = scratch.data() + Tile::floats(C, K, V);
+          t.bind(scratch, C, K, V);
+          float* sim = scratch + Tile::floats(C, K, V);
           float* tb = sim + 2 * C * C;
           BackwardItem it = item_at(slot, h);
           load_tile(p, t, q, k, v, g, beta, n, c, h, true);
           tile_decays(t);
-          tile_intra(t, p.scale, true, sim, it.gram(), it.attn(), it.inv(), tb, it.vnew(), it.w());
-          gemm(false, false, C, V, K, -1.0f, it.w(), K, state_at(n, c, h), V, 1.0f, it.vnew(), V);
+          tile_intra(t, p.scale, true, sim, it.gram(), it.attn(), it.inv(), tb, it.vnew(), it.neg_w(), -1.0f);
+          gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state_at(n, c, h), V, 1.0f, it.vnew(), V);
           for (int64_t r = 0; r < C; ++r) {
             const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
             const float *yq = t.query() + r * K, *kr = t.key() + r * K;
@@ -106,34 +105,31 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
         });
     // 2. The reverse scan of dS.
     parallel_items(
-        p.threads, nact * HV, [&] { return std::vector<float>(C * V); },
-        [&](std::vector<float>& d_o, int64_t i) {
+        p.threads, nact * HV, 0,
+        [&](float*, int64_t i) {
           const int64_t h = i % HV, a = i / HV, n = seg.active[a];
           float* ds = carry + (n * HV + h) * state_size;
           const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
           for (int64_t c = c_end - 1; c >= seg.c0; --c) {
             BackwardItem it = item_at((c - seg.c0) * nact + a, h);
             std::memcpy(it.ds(), ds, sizeof(float) * state_size);
-            load_grad_rows(p, grad_o, n, c, h, std::min<int64_t>(C, p.len[n] - c * C), d_o.data());
-            gemm(true, false, C, V, C, 1.0f, it.attn(), C, d_o.data(), V, 0.0f, it.dvnew(), V);
+            load_grad_rows(p, grad_o, n, c, h, std::min<int64_t>(C, p.len[n] - c * C), it.dov());
+            // dV' = P^T dO + Kd dS';  dS = exp(gamma_C) dS' + [Qg; -W]^T [dO; dV']
+            gemm(true, false, C, V, C, 1.0f, it.attn(), C, it.dov(), V, 0.0f, it.dvnew(), V);
             gemm(false, false, C, V, K, 1.0f, it.kd(), K, it.ds(), V, 1.0f, it.dvnew(), V);
-            const float decay = it.meta()[0];
-#pragma omp simd
-            for (int64_t j = 0; j < state_size; ++j) ds[j] *= decay;
-            gemm(true, false, K, V, C, 1.0f, it.qg(), K, d_o.data(), V, 1.0f, ds, V);
-            gemm(true, false, K, V, C, -1.0f, it.w(), K, it.dvnew(), V, 1.0f, ds, V);
+            gemm(true, false, K, V, 2 * C, 1.0f, it.qg(), K, it.dov(), V, it.meta()[0], ds, V);
           }
         });
     // 3. Every gradient, per (chunk, sequence, query/key head).
     const int64_t tile_f = Tile::floats(C, K, V);
     const int64_t scratch_f = tile_f + 2 * C * V + 2 * C * K + 2 * C * C + 3 * C * C + 2 * C * C + 4 * C * K + 3 * C;
     parallel_items(
-        p.threads, seg.slots() * H, [&] { return std::vector<float>(scratch_f); },
-        [&](std::vector<float>& scratch, int64_t i) {
+        p.threads, seg.slots() * H, scratch_f,
+        [&](float* scratch, int64_t i) {
           const int64_t hk = i % H, slot = i / H, a = slot % nact, c = seg.c0 + slot / nact;
           const int64_t n = seg.active[a];
           if (c >= p.num_chunks(n)) return;
-          float* m = scratch.data();
+          float* m = scratch;
           Tile t;
           t.bind(m, C, K, V);
           m += tile_f;
@@ -171,7 +167,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
             const float* gam = t.gam;
             const float *pm = it.attn(), *gm = it.gram();
             const int64_t rows = t.rows;
-            load_grad_rows(p, grad_o, n, c, h, rows, x);
+            std::memcpy(x, it.dov(), sizeof(float) * C * V);
             float* dvb = x + C * V;
             gemm(true, false, C, V, C, 1.0f, it.inv(), C, it.dvnew(), V, 0.0f, dvb, V);
             gemm(false, true, 2 * C, K, V, 1.0f, x, V, s_in, V, 0.0f, xs, K);

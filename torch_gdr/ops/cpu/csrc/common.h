@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "gdr_cpu.h"
@@ -69,19 +70,35 @@ inline float dot(const float* a, const float* b, int64_t n) {
 constexpr float kTiny = 1e-30f;
 inline float flush(float x) { return x < kTiny ? 0.0f : x; }
 
-// Run body(i) for i in [0, n) in one parallel region of `threads` threads (none when 1),
-// each thread calling init() once for its scratch first.
-template <typename Init, typename Body>
-inline void parallel_items(int threads, int64_t n, Init init, Body body) {
+// A float buffer of the calling thread, `slot` naming its use, kept across calls: after
+// the first call no page faults and no zeroing. Contents are undefined on return.
+inline float* thread_workspace(int slot, int64_t floats) {
+  constexpr int kSlots = 4;
+  thread_local std::unique_ptr<float[]> buffers[kSlots];
+  thread_local int64_t sizes[kSlots] = {0, 0, 0, 0};
+  if (sizes[slot] < floats) {
+    buffers[slot].reset();
+    buffers[slot].reset(new float[static_cast<size_t>(floats)]);
+    sizes[slot] = floats;
+  }
+  return buffers[slot].get();
+}
+
+enum WorkspaceSlot { kStore = 0, kScratch = 1 };
+
+// Run body(scratch, i) for i in [0, n) in one parallel region of up to `threads` threads
+// (no region with one), `scratch` being `scratch_floats` floats of the running thread.
+template <typename Body>
+inline void parallel_items(int threads, int64_t n, int64_t scratch_floats, Body body) {
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
   if (nt <= 1) {
-    auto scratch = init();
+    float* scratch = thread_workspace(kScratch, scratch_floats);
     for (int64_t i = 0; i < n; ++i) body(scratch, i);
     return;
   }
 #pragma omp parallel num_threads(nt)
   {
-    auto scratch = init();
+    float* scratch = thread_workspace(kScratch, scratch_floats);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) body(scratch, i);
   }
@@ -237,8 +254,13 @@ inline void tile_decays(Tile& t) {
 //   attn [C, C]: P = scale (y_q K^T) * Gamma on and below the diagonal (when `with_query`)
 //   inv  [C, C]: T = (I + diag(beta) G)^-1 (unit lower triangular)
 //   tb   [C, C] scratch
-//   u [C, V] = T diag(beta) V,  w [C, K] = T diag(beta exp(gamma)) K
+//   u [C, V] = T diag(beta) V,  w [C, K] = w_alpha T diag(beta exp(gamma)) K
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
-                float* tb, float* u, float* w);
+                float* tb, float* u, float* w, float w_alpha);
+
+// Bytes of per-chunk intermediates a segment may hold between its stages: small enough to
+// stay in the last-level cache of a small machine, large enough to give every thread work.
+constexpr int64_t kForwardBudget = int64_t(4) << 20;
+constexpr int64_t kBackwardBudget = int64_t(6) << 20;
 
 }  // namespace gdr

@@ -6,7 +6,7 @@
 namespace gdr {
 
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
-                float* tb, float* u, float* w) {
+                float* tb, float* u, float* w, float w_alpha) {
   const int64_t C = t.C, K = t.K, V = t.V;
   const float* gam = t.gam;
   // [Q; K] K^T in one GEMM (only the key rows without the query).
@@ -57,22 +57,24 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] *= t.gexp[s];
   }
-  gemm(false, false, C, K, C, 1.0f, tb, C, t.key(), K, 0.0f, w, K);
+  gemm(false, false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
 }
 
 namespace {
 
-// Per (chunk, value head) intermediates handed from the parallel part to the scan.
+// Per (chunk, value head) intermediates handed from the parallel part to the scan, stacked
+// so that the scan's products sharing an operand are single GEMMs.
 struct ForwardItem {
   int64_t C, K, V;
-  static int64_t floats(int64_t C, int64_t K, int64_t V) { return C * V + 3 * C * K + C * C + 16; }
+  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 2 * C * V + 3 * C * K + C * C + 16; }
   float* base;
-  float* u() const { return base; }                          // [C, V]: U, then V'
-  float* w() const { return u() + C * V; }                   // [C, K]
-  float* qg() const { return w() + C * K; }                  // [C, K]: scale exp(gamma) y_q
-  float* kd() const { return qg() + C * K; }                 // [C, K]: exp(gamma_C - gamma) K
-  float* attn() const { return kd() + C * K; }               // [C, C]: P
-  float* meta() const { return attn() + C * C; }             // [0] chunk decay, [1] rows, [2] bad
+  float* ou() const { return base; }                      // [2C, V]: rows :C O, rows C: U, then V'
+  float* u() const { return ou() + C * V; }
+  float* qw() const { return ou() + 2 * C * V; }          // [2C, K]: rows :C Qg = scale exp(gamma) y_q, rows C: -W
+  float* neg_w() const { return qw() + C * K; }
+  float* kd() const { return qw() + 2 * C * K; }          // [C, K]: exp(gamma_C - gamma) K
+  float* attn() const { return kd() + C * K; }            // [C, C]: P
+  float* meta() const { return attn() + C * C; }          // [0] chunk decay, [1] rows, [2] bad
 };
 
 template <typename T>
@@ -87,34 +89,34 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
   const int64_t item_floats = ForwardItem::floats(C, K, V);
-  const auto segments = make_segments(p, item_floats * sizeof(float), int64_t(16) << 20);
+  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
   int64_t max_slots = 0;
   for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
-  std::vector<float> store(static_cast<size_t>(max_slots * HV * item_floats));
-  auto item_at = [&](int64_t slot, int64_t h) { return ForwardItem{C, K, V, store.data() + (slot * HV + h) * item_floats}; };
+  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
+  auto item_at = [&](int64_t slot, int64_t h) { return ForwardItem{C, K, V, store + (slot * HV + h) * item_floats}; };
 
   for (const Segment& seg : segments) {
     const int64_t nact = static_cast<int64_t>(seg.active.size());
     // Stage 1: every (chunk, sequence, value head) of the segment.
     parallel_items(
         p.threads, seg.slots() * HV,
-        [&] { return std::vector<float>(Tile::floats(C, K, V) + 5 * C * C); },
-        [&](std::vector<float>& scratch, int64_t i) {
+        Tile::floats(C, K, V) + 5 * C * C,
+        [&](float* scratch, int64_t i) {
           const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
           const int64_t n = seg.active[a];
           if (c >= p.num_chunks(n)) return;
           Tile t;
-          t.bind(scratch.data(), C, K, V);
-          float* sim = scratch.data() + Tile::floats(C, K, V);
+          t.bind(scratch, C, K, V);
+          float* sim = scratch + Tile::floats(C, K, V);
           float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
           load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
           tile_decays(t);
           ForwardItem it = item_at(slot, h);
-          tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.w());
+          tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f);
           for (int64_t r = 0; r < C; ++r) {
             const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
             const float *yq = t.query() + r * K, *kr = t.key() + r * K;
-            float *oq = it.qg() + r * K, *ok = it.kd() + r * K;
+            float *oq = it.qw() + r * K, *ok = it.kd() + r * K;
             if (with_query) {
 #pragma omp simd
               for (int64_t j = 0; j < K; ++j) oq[j] = fq * yq[j];
@@ -128,8 +130,8 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
         });
     // Stage 2: the scan over the segment's chunks, per (sequence, value head).
     parallel_items(
-        p.threads, nact * HV, [&] { return std::vector<float>(C * V); },
-        [&](std::vector<float>& out, int64_t i) {
+        p.threads, nact * HV, 0,
+        [&](float*, int64_t i) {
           const int64_t h = i % HV, a = i / HV, n = seg.active[a];
           float* state = final_state + (n * HV + h) * state_size;
           const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
@@ -139,21 +141,21 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
               std::memcpy(chunk_states + ((chunk_off[n] + c) * HV + h) * state_size, state, sizeof(float) * state_size);
             const float decay = it.meta()[0];
             const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
-            // V' = U - W S
-            gemm(false, false, C, V, K, -1.0f, it.w(), K, state, V, 1.0f, it.u(), V);
             if (with_query) {
-              // O = Qg S + P V'
-              gemm(false, false, C, V, K, 1.0f, it.qg(), K, state, V, 0.0f, out.data(), V);
-              gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, out.data(), V);
+              // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
+              std::memset(it.ou(), 0, sizeof(float) * C * V);
+              gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
+              gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+              float* out = it.ou();
               const float nan = std::numeric_limits<float>::quiet_NaN();
-              for (int64_t r = bad; r < rows; ++r) std::fill(out.data() + r * V, out.data() + (r + 1) * V, nan);
+              for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
               const int64_t t0 = p.bos[n] + c * C;
-              for (int64_t r = 0; r < rows; ++r) store_row(out.data() + r * V, o + ((t0 + r) * HV + h) * V, V);
+              for (int64_t r = 0; r < rows; ++r) store_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
+            } else {
+              gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
             }
-            // S <- exp(gamma_C) S + Kd^T V'
-#pragma omp simd
-            for (int64_t j = 0; j < state_size; ++j) state[j] *= decay;
-            gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, 1.0f, state, V);
+            // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
+            gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
             if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
           }
         });

@@ -15,10 +15,10 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
   const int64_t K = p.K, V = p.V, H = p.H, HV = p.HV, group = p.group();
   const int64_t state_size = K * V;
   parallel_items(
-      p.threads, p.num_seqs() * HV, [&] { return std::vector<float>(2 * K + 4 * V); },
-      [&](std::vector<float>& scratch, int64_t i) {
+      p.threads, p.num_seqs() * HV, 2 * K + 4 * V,
+      [&](float* scratch, int64_t i) {
         const int64_t n = i / HV, h = i % HV, hk = h / group;
-        float *qv = scratch.data(), *kv = qv + K, *vv = kv + K, *sk = vv + V, *sq = sk + V, *u = sq + V;
+        float *qv = scratch, *kv = qv + K, *vv = kv + K, *sk = vv + V, *sq = sk + V, *u = sq + V;
         float* dst = final_state + i * state_size;
         const float* src = initial ? initial + i * state_size : nullptr;
         if (p.len[n] == 0) {

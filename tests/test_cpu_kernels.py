@@ -34,6 +34,16 @@ from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.fixture(params=[1, 2], ids=["fused", "segmented"])
+def stages(request, monkeypatch) -> int:
+    """Both ways of running the stages (per unit in one thread; over segments, the
+    intra-chunk part parallel over chunks), whatever the thread count would choose."""
+    from torch_gdr.ops.cpu import kernels
+
+    monkeypatch.setattr(kernels, "STAGES", request.param)
+    return request.param
 FP32_BOUND = 2e-6  # rmse ratio of a float32 kernel against the float64 recurrence
 
 
@@ -51,7 +61,7 @@ def _cast(inputs: dict, dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
-def test_forward_matches_recurrence_and_torch_path(case: str, l2norm: bool) -> None:
+def test_forward_matches_recurrence_and_torch_path(case: str, l2norm: bool, stages: int) -> None:
     ref = _forward_inputs(case, l2norm)
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**ref, use_qk_l2norm_in_kernel=l2norm)
     x = _cast(ref, torch.float32)
@@ -89,7 +99,7 @@ def _kernel_grads(case: Case, data: dict, save_states: bool) -> dict:
 
 @pytest.mark.parametrize("save_states", [True, False], ids=["saved_states", "recomputed"])
 @pytest.mark.parametrize("name", list(BACKWARD_CASES))
-def test_grads_match_recurrence(name: str, save_states: bool) -> None:
+def test_grads_match_recurrence(name: str, save_states: bool, stages: int) -> None:
     case = BACKWARD_CASES[name]
     data = make_inputs(case, torch.float32)
     ref = reference_grads(case, data)
@@ -149,7 +159,7 @@ def _spiky_decay_inputs(spike: float, seq_len: int = 150) -> dict:
 
 
 @pytest.mark.parametrize("spike", [-1e3, -1e4, -1e5, -1e6, -math.inf])
-def test_extreme_decays_match_the_recurrence(spike: float) -> None:
+def test_extreme_decays_match_the_recurrence(spike: float, stages: int) -> None:
     x = _spiky_decay_inputs(spike)
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
     f = _cast(x, torch.float32)
@@ -171,7 +181,7 @@ def test_extreme_decays_match_the_recurrence(spike: float) -> None:
 
 
 @pytest.mark.parametrize("where", ["k", "v", "g", "beta", "g_inf"])
-def test_nan_does_not_spread_backwards(where: str) -> None:
+def test_nan_does_not_spread_backwards(where: str, stages: int) -> None:
     x = make_forward_inputs(seq_len=200, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
                             with_initial_state=True)
     bad_token = 50
@@ -204,7 +214,7 @@ def test_recurrent_step_in_place_and_out() -> None:
         torch.testing.assert_close(out_s, expected_s, atol=1e-5, rtol=1e-5)
 
 
-def test_two_threads_give_the_same_bits() -> None:
+def test_two_threads_give_the_same_bits(stages: int) -> None:
     x = _cast(make_forward_inputs(seqlens=[150, 3, 0, 90], num_qk_heads=1, num_v_heads=2, with_initial_state=True),
               torch.float32)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, x["cu_seqlens"], 32)

@@ -59,8 +59,11 @@ def _cpu_flags() -> Optional[str]:
 def compile_flags() -> list[str]:
     """C++ flags of the build: optimised, OpenMP, and tuned to this CPU when its flags are known."""
     flags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
-    if _cpu_flags() is not None and platform.machine() in ("x86_64", "AMD64"):
+    cpu_flags = _cpu_flags()
+    if cpu_flags is not None and platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
+        if "avx512f" in cpu_flags.split():
+            flags.append("-mprefer-vector-width=512")  # GCC's default for these CPUs is 256
     return flags
 
 

@@ -22,6 +22,11 @@ from torch_gdr.ops.cpu import _build
 Tensor = torch.Tensor
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: How the chunked kernels run their stages: 0 chooses (per unit in one thread when the
+#: units keep every thread busy, else over segments with the intra-chunk part parallel over
+#: chunks), 1 forces the first, 2 the second. Tests set it to cover both.
+STAGES = 0
 _warned = False
 
 
@@ -92,7 +97,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
         return (out[0], out[1], out[2] if save_states else None)
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
-                                           bool(use_qk_l2norm), cu, int(chunk_size), bool(save_states), True)
+                                           bool(use_qk_l2norm), cu, int(chunk_size), bool(save_states), True, STAGES)
     return o, final_state, (states if save_states else None)
 
 
@@ -123,7 +128,7 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     scale_ = _scale(scale, q)
     if chunk_states is None:
         _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
-                                           cu, int(chunk_size), True, False)
+                                           cu, int(chunk_size), True, False, STAGES)
     else:
         expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
         if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:
@@ -131,7 +136,7 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
                              f"{chunk_states.dtype} of shape {list(chunk_states.shape)}")
     grads = ext.chunk_bwd(grad_o.to(v.dtype).contiguous(), _state(grad_final_state), q_, k_, v_, g_, beta_, scale_,
                           initial_state is not None, bool(use_qk_l2norm), cu, int(chunk_size),
-                          chunk_states.contiguous())
+                          chunk_states.contiguous(), STAGES)
     out = [t.to(dtype) for t, dtype in zip(grads[:5], dtypes)]
     d_initial = grads[5].to(initial_state.dtype) if initial_state is not None else None
     return (*out, d_initial)

@@ -28,7 +28,7 @@ void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t nume
 
 // q [B, T, H, K], v [B, T, HV, V]; cu_seqlens int64 [N + 1] or None.
 gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tensor>& cu_seqlens, int64_t chunk,
-                          double scale, bool l2norm) {
+                          double scale, bool l2norm, int64_t stages = 0) {
   TORCH_CHECK(q.dim() == 4 && v.dim() == 4, "q and v must be 4-D");
   gdr::Problem p;
   p.dtype = dtype_of(q);
@@ -38,6 +38,8 @@ gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tenso
   p.scale = static_cast<float>(scale);
   p.l2norm = l2norm;
   p.threads = std::max(1, at::get_num_threads());
+  TORCH_CHECK(stages >= 0 && stages <= 2, "stages must be 0 (auto), 1 (fused) or 2 (segmented)");
+  p.stages = static_cast<gdr::Stages>(stages);
   if (cu_seqlens.has_value() && cu_seqlens->defined()) {
     const Tensor cu = cu_seqlens->to(at::kLong).contiguous();
     const int64_t* c = cu.data_ptr<int64_t>();
@@ -79,8 +81,9 @@ const float* optional_state(const optional<Tensor>& t, const gdr::Problem& p, co
 // -> [o (or an empty tensor without `with_output`), final_state, chunk_states (or empty)]
 std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                               double scale, const optional<Tensor>& initial_state, bool l2norm,
-                              const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states, bool with_output) {
-  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm);
+                              const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states, bool with_output,
+                              int64_t stages) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
   check_inputs(p, q, k, v, g, beta);
   const float* initial = optional_state(initial_state, p, "initial_state");
   const auto f32 = q.options().dtype(at::kFloat);
@@ -100,8 +103,8 @@ std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
 std::vector<Tensor> chunk_bwd(const Tensor& grad_o, const optional<Tensor>& grad_final_state, const Tensor& q,
                               const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, double scale,
                               bool want_d_initial, bool l2norm, const optional<Tensor>& cu_seqlens, int64_t chunk,
-                              const Tensor& chunk_states) {
-  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm);
+                              const Tensor& chunk_states, int64_t stages) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
   check_inputs(p, q, k, v, g, beta);
   check(grad_o, "grad_o", q.scalar_type(), v.numel());
   check(chunk_states, "chunk_states", at::kFloat, total_chunks(p) * p.HV * p.K * p.V);

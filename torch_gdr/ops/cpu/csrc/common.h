@@ -134,6 +134,20 @@ inline std::vector<Segment> make_segments(const Problem& p, int64_t bytes_per_ma
   return segs;
 }
 
+// Whether to run both stages per work unit (a sequence's value head, or its query/key head
+// in the backward), chunk after chunk in one thread: with one thread always (best cache
+// use), else when the units keep every thread busy (many, or as many equal ones as a
+// multiple of the threads). Otherwise the stages run over segments, the first parallel
+// over chunks too.
+inline bool fuse_stages(const Problem& p, int64_t units) {
+  if (p.stages != Stages::Auto) return p.stages == Stages::Fused;
+  if (p.threads <= 1 || units >= 4 * static_cast<int64_t>(p.threads)) return true;
+  if (units < p.threads || units % p.threads != 0) return false;
+  for (int64_t n = 1; n < p.num_seqs(); ++n)
+    if (p.len[n] != p.len[0]) return false;
+  return true;
+}
+
 inline std::vector<int64_t> chunk_offsets(const Problem& p) {
   std::vector<int64_t> off(p.num_seqs() + 1, 0);
   for (int64_t n = 0; n < p.num_seqs(); ++n) off[n + 1] = off[n] + p.num_chunks(n);

@@ -40,8 +40,10 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
       const float a = br * gr[s];
       if (a == 0.0f) continue;
       const float* ts = inv + s * C;
+      // T_s is zero after column s: run to a multiple of 16 columns, no scalar tail.
+      const int64_t end = std::min<int64_t>(C, (s + 16) & ~int64_t(15));
 #pragma omp simd
-      for (int64_t j = 0; j <= s; ++j) row[j] -= a * ts[j];
+      for (int64_t j = 0; j < end; ++j) row[j] -= a * ts[j];
     }
   }
   // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
@@ -89,76 +91,89 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
   const int64_t item_floats = ForwardItem::floats(C, K, V);
+  const int64_t scratch_floats = Tile::floats(C, K, V) + 5 * C * C;
+
+  // Stage 1 of one (sequence n, chunk c, value head h): everything but the state.
+  auto intra = [&](const ForwardItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
+    Tile t;
+    t.bind(scratch, C, K, V);
+    float* sim = scratch + Tile::floats(C, K, V);
+    float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
+    load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
+    tile_decays(t);
+    tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f);
+    for (int64_t r = 0; r < C; ++r) {
+      const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
+      const float *yq = t.query() + r * K, *kr = t.key() + r * K;
+      float *oq = it.qw() + r * K, *ok = it.kd() + r * K;
+      if (with_query) {
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) oq[j] = fq * yq[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) ok[j] = fk * kr[j];
+    }
+    it.meta()[0] = t.chunk_decay();
+    it.meta()[1] = static_cast<float>(t.rows);
+    it.meta()[2] = static_cast<float>(t.bad);
+  };
+  // Stage 2 of one chunk: the outputs and the state leaving it, from the state entering it.
+  auto scan_step = [&](const ForwardItem& it, int64_t n, int64_t c, int64_t h) {
+    float* state = final_state + (n * HV + h) * state_size;
+    if (chunk_states)
+      std::memcpy(chunk_states + ((chunk_off[n] + c) * HV + h) * state_size, state, sizeof(float) * state_size);
+    const float decay = it.meta()[0];
+    const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
+    if (with_query) {
+      // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
+      std::memset(it.ou(), 0, sizeof(float) * C * V);
+      gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
+      gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+      float* out = it.ou();
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
+      const int64_t t0 = p.bos[n] + c * C;
+      for (int64_t r = 0; r < rows; ++r) store_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
+    } else {
+      gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+    }
+    // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
+    gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
+    if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
+  };
+
+  if (fuse_stages(p, N * HV)) {
+    // Enough balanced (sequence, value head) pairs for every thread: each runs both stages
+    // chunk after chunk, its item and state staying in its cache, with no barrier at all.
+    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
+      const int64_t n = i / HV, h = i % HV;
+      const ForwardItem it{C, K, V, scratch + scratch_floats};
+      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
+        intra(it, scratch, n, c, h);
+        scan_step(it, n, c, h);
+      }
+    });
+    return;
+  }
   const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
   int64_t max_slots = 0;
   for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
   float* store = thread_workspace(kStore, max_slots * HV * item_floats);
   auto item_at = [&](int64_t slot, int64_t h) { return ForwardItem{C, K, V, store + (slot * HV + h) * item_floats}; };
-
   for (const Segment& seg : segments) {
     const int64_t nact = static_cast<int64_t>(seg.active.size());
     // Stage 1: every (chunk, sequence, value head) of the segment.
-    parallel_items(
-        p.threads, seg.slots() * HV,
-        Tile::floats(C, K, V) + 5 * C * C,
-        [&](float* scratch, int64_t i) {
-          const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
-          const int64_t n = seg.active[a];
-          if (c >= p.num_chunks(n)) return;
-          Tile t;
-          t.bind(scratch, C, K, V);
-          float* sim = scratch + Tile::floats(C, K, V);
-          float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
-          load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
-          tile_decays(t);
-          ForwardItem it = item_at(slot, h);
-          tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f);
-          for (int64_t r = 0; r < C; ++r) {
-            const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
-            const float *yq = t.query() + r * K, *kr = t.key() + r * K;
-            float *oq = it.qw() + r * K, *ok = it.kd() + r * K;
-            if (with_query) {
-#pragma omp simd
-              for (int64_t j = 0; j < K; ++j) oq[j] = fq * yq[j];
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) ok[j] = fk * kr[j];
-          }
-          it.meta()[0] = t.chunk_decay();
-          it.meta()[1] = static_cast<float>(t.rows);
-          it.meta()[2] = static_cast<float>(t.bad);
-        });
+    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
+      const int64_t n = seg.active[a];
+      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
+    });
     // Stage 2: the scan over the segment's chunks, per (sequence, value head).
-    parallel_items(
-        p.threads, nact * HV, 0,
-        [&](float*, int64_t i) {
-          const int64_t h = i % HV, a = i / HV, n = seg.active[a];
-          float* state = final_state + (n * HV + h) * state_size;
-          const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
-          for (int64_t c = seg.c0; c < c_end; ++c) {
-            ForwardItem it = item_at((c - seg.c0) * nact + a, h);
-            if (chunk_states)
-              std::memcpy(chunk_states + ((chunk_off[n] + c) * HV + h) * state_size, state, sizeof(float) * state_size);
-            const float decay = it.meta()[0];
-            const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
-            if (with_query) {
-              // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
-              std::memset(it.ou(), 0, sizeof(float) * C * V);
-              gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
-              gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
-              float* out = it.ou();
-              const float nan = std::numeric_limits<float>::quiet_NaN();
-              for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
-              const int64_t t0 = p.bos[n] + c * C;
-              for (int64_t r = 0; r < rows; ++r) store_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
-            } else {
-              gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
-            }
-            // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
-            gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
-            if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
-          }
-        });
+    parallel_items(p.threads, nact * HV, 0, [&](float*, int64_t i) {
+      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
+      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
+      for (int64_t c = seg.c0; c < c_end; ++c) scan_step(item_at((c - seg.c0) * nact + a, h), n, c, h);
+    });
   }
 }
 

@@ -17,6 +17,9 @@ namespace gdr {
 
 enum class DType { Float, Half, BFloat16 };
 
+// How the stages of the chunked kernels run (see fuse_stages in common.h); tests force each.
+enum class Stages { Auto = 0, Fused = 1, Segmented = 2 };
+
 // The shape of one call and its sequences.
 struct Problem {
   DType dtype = DType::Float;
@@ -24,6 +27,7 @@ struct Problem {
   float scale = 1.0f;
   bool l2norm = false;
   int threads = 1;
+  Stages stages = Stages::Auto;
   std::vector<int64_t> bos, len;  // per sequence
   int64_t num_seqs() const { return static_cast<int64_t>(len.size()); }
   int64_t group() const { return HV / H; }

@@ -275,6 +275,8 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
         for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
           intra(item_for(h), scratch, n, c, h);
           scan_step(item_for(h), n, c, h);
+          prefetch_chunk(p, q, k, v, n, c - 1, h);
+          prefetch_chunk<T>(p, nullptr, nullptr, grad_o, n, c - 1, h);
         }
         gradients(scratch, n, c, hk, item_for);
       }

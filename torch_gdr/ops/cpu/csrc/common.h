@@ -233,6 +233,27 @@ void load_tile(const Problem& p, Tile& t, const T* q, const T* k, const T* v, co
   }
 }
 
+// Ask for the rows of chunk `c` (value head `h`) of up to three token-major tensors of
+// `width` x `bytes` per (token, head), to be brought into L2 while the current chunk computes.
+inline void prefetch_rows(const void* base, int64_t token0, int64_t rows, int64_t heads, int64_t head,
+                          int64_t row_bytes) {
+  if (!base) return;
+  const char* b = static_cast<const char*>(base);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = b + ((token0 + r) * heads + head) * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+  }
+}
+
+template <typename T>
+inline void prefetch_chunk(const Problem& p, const T* q, const T* k, const T* v, int64_t n, int64_t c, int64_t h) {
+  if (c >= p.num_chunks(n)) return;
+  const int64_t t0 = p.bos[n] + c * p.C, rows = std::min<int64_t>(p.C, p.len[n] - c * p.C), hk = h / p.group();
+  prefetch_rows(q, t0, rows, p.H, hk, p.K * sizeof(T));
+  prefetch_rows(k, t0, rows, p.H, hk, p.K * sizeof(T));
+  prefetch_rows(v, t0, rows, p.HV, h, p.V * sizeof(T));
+}
+
 // The decays of a loaded tile, from the per-token factors alpha = exp(g) by running
 // products (prefix, suffix and, for Gamma, row r = row r-1 times alpha_r): no difference of
 // two cumulative sums is ever formed, so any g <= 0, -inf included, is as exact as the

@@ -150,6 +150,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
       const ForwardItem it{C, K, V, scratch + scratch_floats};
       for (int64_t c = 0; c < p.num_chunks(n); ++c) {
         intra(it, scratch, n, c, h);
+        prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
         scan_step(it, n, c, h);
       }
     });

@@ -88,8 +88,10 @@ enum WorkspaceSlot { kStore = 0, kScratch = 1 };
 
 // Run body(scratch, i) for i in [0, n) in one parallel region of up to `threads` threads
 // (no region with one), `scratch` being `scratch_floats` floats of the running thread.
+// With `contiguous`, each thread takes one contiguous block of items (so that item i + 1 is
+// usually its next, worth prefetching); else items are handed out one at a time.
 template <typename Body>
-inline void parallel_items(int threads, int64_t n, int64_t scratch_floats, Body body) {
+inline void parallel_items(int threads, int64_t n, int64_t scratch_floats, Body body, bool contiguous = false) {
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
   if (nt <= 1) {
     float* scratch = thread_workspace(kScratch, scratch_floats);
@@ -99,8 +101,13 @@ inline void parallel_items(int threads, int64_t n, int64_t scratch_floats, Body 
 #pragma omp parallel num_threads(nt)
   {
     float* scratch = thread_workspace(kScratch, scratch_floats);
+    if (contiguous) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) body(scratch, i);
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) body(scratch, i);
+      for (int64_t i = 0; i < n; ++i) body(scratch, i);
+    }
   }
 }
 

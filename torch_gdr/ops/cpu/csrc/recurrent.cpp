@@ -49,6 +49,11 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
               for (int64_t j = 0; j < V; ++j) sk[j] += row[j] * kr, sq[j] += row[j] * qr;
             }
           }
+          if (tt == p.len[n] - 1 && initial && i + 1 < p.num_seqs() * HV) {
+            // The next item's state streams in while this one is written back.
+            const char* next = reinterpret_cast<const char*>(initial + (i + 1) * state_size);
+            for (int64_t off = 0; off < state_size * int64_t(sizeof(float)); off += 64) prefetch_l2(next + off);
+          }
           const float kq = dot(kv, qv, K) * p.scale;
           T* out = o + (tok * HV + h) * V;
 #pragma omp simd
@@ -68,7 +73,8 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
           }
           src = dst;
         }
-      });
+      },
+      /*contiguous=*/true);
 }
 
 }  // namespace

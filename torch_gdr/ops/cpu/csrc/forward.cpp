@@ -5,6 +5,59 @@
 
 namespace gdr {
 
+namespace {
+
+// T = (I + diag(beta) G)^-1 for strictly lower G [C, C], any C.
+void unit_lower_inverse_any(const float* gram, const float* beta, float* inv, int64_t C) {
+  std::memset(inv, 0, sizeof(float) * C * C);
+  for (int64_t r = 0; r < C; ++r) {
+    float* row = inv + r * C;
+    row[r] = 1.0f;
+    const float br = beta[r];
+    if (br == 0.0f) continue;
+    const float* gr = gram + r * C;
+    for (int64_t s = 0; s < r; ++s) {
+      const float a = br * gr[s];
+      if (a == 0.0f) continue;
+      const float* ts = inv + s * C;
+#pragma omp simd
+      for (int64_t j = 0; j <= s; ++j) row[j] -= a * ts[j];
+    }
+  }
+}
+
+// The same for C = 16 * NV, each row accumulated in NV registers of 16 floats: T_s is zero
+// after column s, so only its first s / 16 + 1 vectors are read.
+template <int NV>
+void unit_lower_inverse(const float* gram, const float* beta, float* inv, int64_t C) {
+  typedef float vec16 __attribute__((vector_size(64)));
+  for (int64_t r = 0; r < C; ++r) {
+    vec16 acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+    const float br = beta[r];
+    const float* gr = gram + r * C;
+    if (br != 0.0f) {
+      for (int64_t s = 0; s < r; ++s) {
+        const float a = br * gr[s];
+        if (a == 0.0f) continue;
+        const float* ts = inv + s * C;
+        const int64_t used = s / 16;
+        for (int v = 0; v < NV; ++v) {
+          if (v > used) break;
+          vec16 x;
+          std::memcpy(&x, ts + 16 * v, sizeof(x));
+          acc[v] -= a * x;
+        }
+      }
+    }
+    float* row = inv + r * C;
+    for (int v = 0; v < NV; ++v) std::memcpy(row + 16 * v, &acc[v], sizeof(vec16));
+    row[r] = 1.0f;
+  }
+}
+
+}  // namespace
+
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
                 float* tb, float* u, float* w, float w_alpha) {
   const int64_t C = t.C, K = t.K, V = t.V;
@@ -29,22 +82,16 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
     }
   }
   // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
-  std::memset(inv, 0, sizeof(float) * C * C);
-  for (int64_t r = 0; r < C; ++r) {
-    float* row = inv + r * C;
-    row[r] = 1.0f;
-    const float br = t.beta[r];
-    if (br == 0.0f) continue;
-    const float* gr = gram + r * C;
-    for (int64_t s = 0; s < r; ++s) {
-      const float a = br * gr[s];
-      if (a == 0.0f) continue;
-      const float* ts = inv + s * C;
-      // T_s is zero after column s: run to a multiple of 16 columns, no scalar tail.
-      const int64_t end = std::min<int64_t>(C, (s + 16) & ~int64_t(15));
-#pragma omp simd
-      for (int64_t j = 0; j < end; ++j) row[j] -= a * ts[j];
+  if (C % 16 == 0 && C <= 128) {
+    switch (C / 16) {
+      case 1: unit_lower_inverse<1>(gram, t.beta, inv, C); break;
+      case 2: unit_lower_inverse<2>(gram, t.beta, inv, C); break;
+      case 4: unit_lower_inverse<4>(gram, t.beta, inv, C); break;
+      case 8: unit_lower_inverse<8>(gram, t.beta, inv, C); break;
+      default: unit_lower_inverse_any(gram, t.beta, inv, C);
     }
+  } else {
+    unit_lower_inverse_any(gram, t.beta, inv, C);
   }
   // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
   for (int64_t r = 0; r < C; ++r) {

@@ -1,0 +1,321 @@
+"""The fused C++/OpenMP CPU kernels (torch_gdr.ops.cpu) against the float64 per-token
+recurrence (outputs, states, every gradient by autograd through it) and the pure-torch
+chunked path, on the shapes of test_reference.py and test_backward.py; extreme decays,
+NaN containment, threads, and the fallback without a compiler.
+
+The kernels compute in float32: errors are rmse ratios ``rms(ref - out) / rms(ref)`` as in
+fla's tests (see gdr-spec.md), with the float64 recurrence as ``ref``. The first test to
+run builds the extension into the cache directory (minutes on a loaded 2-core machine; the
+build is reused by every later process).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+
+import torch_gdr.ops.cpu as cpu
+from tests.helpers import make_inputs as make_forward_inputs
+from tests.test_backward import CASES as BACKWARD_CASES
+from tests.test_backward import Case, make_inputs, reference_grads, rmse_ratio
+from tests.test_reference import CASES as FORWARD_CASES
+from torch_gdr.ref.chunk import _forward_impl
+from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.fixture(params=[1, 2], ids=["fused", "segmented"])
+def stages(request, monkeypatch) -> int:
+    """Both ways of running the stages (per unit in one thread; over segments, the
+    intra-chunk part parallel over chunks), whatever the thread count would choose."""
+    from torch_gdr.ops.cpu import kernels
+
+    monkeypatch.setattr(kernels, "STAGES", request.param)
+    return request.param
+FP32_BOUND = 2e-6  # rmse ratio of a float32 kernel against the float64 recurrence
+
+
+def _forward_inputs(case: str, l2norm: bool, dtype=torch.float32) -> dict:
+    inputs = make_forward_inputs(dtype=torch.float64, **FORWARD_CASES[case])
+    if not l2norm:  # keep the state bounded without the norm, as real models do
+        inputs["q"], inputs["k"] = inputs["q"] * 0.25, inputs["k"] * 0.25
+    return inputs
+
+
+def _cast(inputs: dict, dtype: torch.dtype) -> dict:
+    return {n: (t.to(dtype) if n in ("q", "k", "v") else t.float() if n in ("g", "beta", "initial_state") else t)
+            for n, t in inputs.items()}
+
+
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_forward_matches_recurrence_and_torch_path(case: str, l2norm: bool, stages: int) -> None:
+    ref = _forward_inputs(case, l2norm)
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(**ref, use_qk_l2norm_in_kernel=l2norm)
+    x = _cast(ref, torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x.get("initial_state"), l2norm, x.get("cu_seqlens"))
+    o, s, states = cpu.chunk_fwd(*args, 32, False)
+    assert states is None and o.dtype == torch.float32 and s.dtype == torch.float32
+    assert o.shape == x["v"].shape and s.shape == expected_s.shape
+    assert rmse_ratio(expected_o, o) < FP32_BOUND and rmse_ratio(expected_s, s) < FP32_BOUND
+    torch_o, torch_s = _forward_impl(*args, 32)
+    torch.testing.assert_close(o, torch_o, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(s, torch_s, atol=2e-5, rtol=2e-5)
+    o_step, s_step = cpu.recurrent_fwd(*args)
+    assert rmse_ratio(expected_o, o_step) < FP32_BOUND and rmse_ratio(expected_s, s_step) < FP32_BOUND
+
+
+def _kernel_grads(case: Case, data: dict, save_states: bool) -> dict:
+    """Gradients of the loss by chunk_fwd + chunk_bwd, in the key-first state layout."""
+    t = dict(data["tensors"])
+    h0, dht, do = t["initial_state"], data["dht"], data["do"]
+    if case.state_v_first:  # the kernels are key-first: transpose around them
+        h0 = None if h0 is None else h0.transpose(-1, -2)
+        dht = None if dht is None else dht.transpose(-1, -2)
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], case.scale, h0, case.l2norm, cu, case.chunk)
+    _, _, states = cpu.chunk_fwd(*args, True)
+    grads = cpu.chunk_bwd(do.to(t["v"].dtype), None if dht is None else dht.float(), *args,
+                          states if save_states else None)
+    out = dict(zip(NAMES, grads))
+    if h0 is None:
+        out.pop("initial_state")
+    elif case.state_v_first:
+        out["initial_state"] = out["initial_state"].transpose(-1, -2)
+    return out
+
+
+@pytest.mark.parametrize("save_states", [True, False], ids=["saved_states", "recomputed"])
+@pytest.mark.parametrize("name", list(BACKWARD_CASES))
+def test_grads_match_recurrence(name: str, save_states: bool, stages: int) -> None:
+    case = BACKWARD_CASES[name]
+    data = make_inputs(case, torch.float32)
+    ref = reference_grads(case, data)
+    out = _kernel_grads(case, data, save_states)
+    assert set(out) == set(ref)
+    for n in ref:
+        assert out[n].dtype == data["tensors"][n].dtype and out[n].shape == ref[n].shape, n
+        assert torch.isfinite(out[n]).all(), n
+        assert rmse_ratio(ref[n], out[n]) < 1e-5, f"{n}: rmse ratio {rmse_ratio(ref[n], out[n]):.3g}"
+
+
+@pytest.mark.parametrize("name", ["T%C!=0", "varlen,gva,l2", "chunk64"])
+def test_grads_match_torch_path(name: str) -> None:
+    case = BACKWARD_CASES[name]
+    data = make_inputs(case, torch.float32)
+    t = data["tensors"]
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens)
+    h0 = t["initial_state"]
+    if case.state_v_first and h0 is not None:
+        h0 = h0.transpose(-1, -2)
+    dht = data["dht"].float() if data["dht"] is not None else None
+    if case.state_v_first and dht is not None:
+        dht = dht.transpose(-1, -2)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], case.scale, h0, case.l2norm, cu, case.chunk)
+    expected = chunk_gated_delta_rule_bwd(data["do"].float(), dht, *args)
+    _, _, states = cpu.chunk_fwd(*args, True)
+    got = cpu.chunk_bwd(data["do"].float(), dht, *args, states)
+    for n, e, g in zip(NAMES, expected, got):
+        if e is not None:
+            torch.testing.assert_close(g, e, atol=5e-5, rtol=5e-5, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_accumulate_in_fp32(dtype: torch.dtype) -> None:
+    case = Case(seq_len=45, l2norm=True, k_dim=16, v_dim=16)
+    data = make_inputs(case, dtype)
+    ref = reference_grads(case, data)  # the same rounded inputs, in float64
+    out = _kernel_grads(case, data, True)
+    bound = {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    for n in ref:
+        assert out[n].dtype == data["tensors"][n].dtype, n
+        assert rmse_ratio(ref[n], out[n].float()) < bound, f"{n}: {rmse_ratio(ref[n], out[n].float()):.3g}"
+    t = data["tensors"]
+    o, s, _ = cpu.chunk_fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], None, t["initial_state"], True, None, 16,
+                            False)
+    assert o.dtype == dtype and s.dtype == torch.float32
+
+
+def _spiky_decay_inputs(spike: float, seq_len: int = 150) -> dict:
+    """g = -0.01 with every 7th token at ``spike`` (issue 16, item 4)."""
+    x = make_forward_inputs(seq_len=seq_len, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                            with_initial_state=True)
+    g = torch.full_like(x["g"], -0.01)
+    g[:, 3::7] = spike
+    x["g"] = g
+    return x
+
+
+@pytest.mark.parametrize("spike", [-1e3, -1e4, -1e5, -1e6, -math.inf])
+def test_extreme_decays_match_the_recurrence(spike: float, stages: int) -> None:
+    x = _spiky_decay_inputs(spike)
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
+    f = _cast(x, torch.float32)
+    args = (f["q"], f["k"], f["v"], f["g"], f["beta"], None, f["initial_state"], True, None)
+    o, s, states = cpu.chunk_fwd(*args, 64, True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert (o.double() - expected_o).abs().max() < 1e-5
+    assert (s.double() - expected_s).abs().max() < 1e-5
+    # Gradients: finite, and as exact as autograd through the recurrence.
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ro, rs = naive_recurrent_gated_delta_rule(**leaves, use_qk_l2norm_in_kernel=True)
+    do, dht = torch.randn_like(ro), torch.randn_like(rs)
+    ref = torch.autograd.grad((ro * do).sum() + (rs * dht).sum(), [leaves[n] for n in NAMES])
+    got = cpu.chunk_bwd(do.float(), dht.float(), *args, 64, states)
+    for n, r, gr in zip(NAMES, ref, got):
+        assert torch.isfinite(gr).all(), n
+        finite = torch.isfinite(r)  # d/dg at g = -inf is 0 * inf in autograd's recurrence
+        assert rmse_ratio(r[finite], gr[finite]) < 1e-5, n
+
+
+@pytest.mark.parametrize("where", ["k", "v", "g", "beta", "g_inf"])
+def test_nan_does_not_spread_backwards(where: str, stages: int) -> None:
+    x = make_forward_inputs(seq_len=200, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                            with_initial_state=True)
+    bad_token = 50
+    name = "g" if where == "g_inf" else where
+    x[name] = x[name].clone()
+    x[name][0, bad_token, 0] = math.inf if where == "g_inf" else math.nan
+    expected_o, _ = naive_recurrent_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
+    f = _cast(x, torch.float32)
+    args = (f["q"], f["k"], f["v"], f["g"], f["beta"], None, f["initial_state"], True, None)
+    for o in (cpu.chunk_fwd(*args, 64, False)[0], cpu.recurrent_fwd(*args)[0]):
+        assert torch.isfinite(o[:, :bad_token]).all()
+        torch.testing.assert_close(o[:, :bad_token].double(), expected_o[:, :bad_token], atol=1e-5, rtol=1e-5)
+        # Where the recurrence is not finite, neither is the kernel.
+        assert not torch.isfinite(o[:, bad_token:][~torch.isfinite(expected_o[:, bad_token:])]).any()
+
+
+def test_recurrent_step_in_place_and_out() -> None:
+    x = _cast(make_forward_inputs(batch_size=3, seq_len=2, num_qk_heads=2, num_v_heads=4, with_initial_state=True),
+              torch.float32)
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None)
+    h0 = x["initial_state"].clone()
+    o, s = cpu.recurrent_fwd(*args, h0, True, None)
+    assert torch.equal(h0, x["initial_state"])  # out of place: the input state is untouched
+    state = x["initial_state"].clone()
+    o_in, s_in = cpu.recurrent_fwd(*args, state, True, None, out_state=state)
+    assert s_in.data_ptr() == state.data_ptr()
+    for out_o, out_s in ((o, s), (o_in, s_in)):
+        torch.testing.assert_close(out_o, expected_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out_s, expected_s, atol=1e-5, rtol=1e-5)
+
+
+def test_two_threads_give_the_same_bits(stages: int) -> None:
+    x = _cast(make_forward_inputs(seqlens=[150, 3, 0, 90], num_qk_heads=1, num_v_heads=2, with_initial_state=True),
+              torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, x["cu_seqlens"], 32)
+    do = torch.randn_like(x["v"])
+    threads = torch.get_num_threads()
+
+    def run():
+        o, s, states = cpu.chunk_fwd(*args, True)
+        return (o, s) + tuple(t for t in cpu.chunk_bwd(do, s, *args, states))
+
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_concurrent_python_threads() -> None:
+    """The kernels release the GIL; calls from several threads give the serial results."""
+    inputs = [_cast(make_forward_inputs(seqlens=[20 + 13 * i, 7], with_initial_state=True, seed=i), torch.float32)
+              for i in range(6)]
+
+    def call(x):
+        return cpu.chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True,
+                             x["cu_seqlens"], 16, False)[0]
+
+    serial = [call(x) for x in inputs]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(5):
+                results[i] = call(inputs[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, expected in enumerate(serial):
+        assert torch.equal(results[i], expected)
+
+
+def test_bad_chunk_states_are_refused() -> None:
+    x = _cast(make_forward_inputs(seq_len=40, with_initial_state=True), torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], False, None, 16)
+    _, _, states = cpu.chunk_fwd(*args, True)
+    with pytest.raises(ValueError, match="chunk_states"):
+        cpu.chunk_bwd(torch.ones_like(x["v"]), None, *args, states[:-1])
+
+
+def test_build_key_follows_torch_version_and_sources(monkeypatch) -> None:
+    from torch_gdr.ops.cpu import _build
+
+    key = _build.build_key()
+    assert _build.build_dir().name == key and str(_build.build_dir()).startswith(str(_build.cache_dir()))
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert _build.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(_build, "compile_flags", lambda: ["-O2"])
+    assert _build.build_key() != key
+
+
+_NO_COMPILER = textwrap.dedent("""
+    import warnings, torch
+    import torch_gdr.ops.cpu as cpu
+    from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+    assert not cpu.available(), "built without a compiler?"
+    print("REASON", cpu.unavailable_reason())
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 20, 2, 8), torch.randn(1, 20, 2, 8)
+    v, g, beta = torch.randn(1, 20, 2, 8), -torch.rand(1, 20, 2), torch.rand(1, 20, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o, s, states = cpu.chunk_fwd(q, k, v, g, beta, None, None, True, None, 16, True)
+        grads = cpu.chunk_bwd(torch.ones_like(o), None, q, k, v, g, beta, None, None, True, None, 16, states)
+        o2, s2 = cpu.recurrent_fwd(q, k, v, g, beta, None, None, True, None)
+    ro, rs = naive_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o2, ro, atol=1e-5, rtol=1e-5)
+    print("WARNINGS", len([w for w in caught if "pure-torch" in str(w.message)]))
+""")
+
+
+def test_without_a_compiler_the_torch_path_runs_with_one_warning(tmp_path) -> None:
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_GDR_CACHE_DIR=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True,
+                         cwd=str(tmp_path), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNINGS 1" in out.stdout
+    reason = out.stdout.split("REASON", 1)[1].splitlines()[0]
+    assert reason.strip() and reason.strip() != "None"
+    assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))

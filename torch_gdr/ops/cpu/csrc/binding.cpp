@@ -1,0 +1,158 @@
+// Python bindings: tensors in, raw pointers to the kernels. The Python wrapper
+// (torch_gdr/ops/cpu/kernels.py) validates arguments and passes contiguous tensors in the
+// dtypes stated below; these functions only check what would make a kernel read out of
+// bounds.
+#include <torch/extension.h>
+
+#include "gdr_cpu.h"
+
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+gdr::DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return gdr::DType::Float;
+    case at::kHalf: return gdr::DType::Half;
+    case at::kBFloat16: return gdr::DType::BFloat16;
+    default: TORCH_CHECK(false, "torch_gdr cpu kernels: unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check(const Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, ": expected a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == numel, name, ": expected ", numel, " elements, got ", t.numel());
+}
+
+// q [B, T, H, K], v [B, T, HV, V]; cu_seqlens int64 [N + 1] or None.
+gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tensor>& cu_seqlens, int64_t chunk,
+                          double scale, bool l2norm, int64_t stages = 0) {
+  TORCH_CHECK(q.dim() == 4 && v.dim() == 4, "q and v must be 4-D");
+  gdr::Problem p;
+  p.dtype = dtype_of(q);
+  const int64_t B = q.size(0), T = q.size(1);
+  p.H = q.size(2), p.K = q.size(3), p.HV = v.size(2), p.V = v.size(3), p.C = chunk;
+  TORCH_CHECK(p.H > 0 && p.HV % p.H == 0, "HV must be a multiple of H");
+  p.scale = static_cast<float>(scale);
+  p.l2norm = l2norm;
+  p.threads = std::max(1, at::get_num_threads());
+  TORCH_CHECK(stages >= 0 && stages <= 2, "stages must be 0 (auto), 1 (fused) or 2 (segmented)");
+  p.stages = static_cast<gdr::Stages>(stages);
+  if (cu_seqlens.has_value() && cu_seqlens->defined()) {
+    const Tensor cu = cu_seqlens->to(at::kLong).contiguous();
+    const int64_t* c = cu.data_ptr<int64_t>();
+    const int64_t num = cu.numel() - 1;
+    TORCH_CHECK(num >= 0 && c[0] == 0 && c[num] == B * T, "cu_seqlens must run from 0 to B * T");
+    for (int64_t n = 0; n < num; ++n) {
+      TORCH_CHECK(c[n + 1] >= c[n], "cu_seqlens must be non-decreasing");
+      p.bos.push_back(c[n]);
+      p.len.push_back(c[n + 1] - c[n]);
+    }
+  } else {
+    for (int64_t n = 0; n < B; ++n) p.bos.push_back(n * T), p.len.push_back(T);
+  }
+  return p;
+}
+
+int64_t total_chunks(const gdr::Problem& p) {
+  int64_t total = 0;
+  for (int64_t n = 0; n < p.num_seqs(); ++n) total += p.num_chunks(n);
+  return total;
+}
+
+void check_inputs(const gdr::Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                  const Tensor& beta) {
+  const int64_t tokens = q.size(0) * q.size(1);
+  check(q, "q", q.scalar_type(), tokens * p.H * p.K);
+  check(k, "k", q.scalar_type(), tokens * p.H * p.K);
+  check(v, "v", q.scalar_type(), tokens * p.HV * p.V);
+  check(g, "g", at::kFloat, tokens * p.HV);
+  check(beta, "beta", at::kFloat, tokens * p.HV);
+}
+
+const float* optional_state(const optional<Tensor>& t, const gdr::Problem& p, const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check(*t, name, at::kFloat, p.num_seqs() * p.HV * p.K * p.V);
+  return t->data_ptr<float>();
+}
+
+// -> [o (or an empty tensor without `with_output`), final_state, chunk_states (or empty)]
+std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                              double scale, const optional<Tensor>& initial_state, bool l2norm,
+                              const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states, bool with_output,
+                              int64_t stages) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
+  check_inputs(p, q, k, v, g, beta);
+  const float* initial = optional_state(initial_state, p, "initial_state");
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor o = with_output ? at::empty(v.sizes(), v.options()) : at::empty({0}, v.options());
+  Tensor final_state = at::empty({p.num_seqs(), p.HV, p.K, p.V}, f32);
+  Tensor states = save_states ? at::empty({total_chunks(p), p.HV, p.K, p.V}, f32) : at::empty({0}, f32);
+  {
+    pybind11::gil_scoped_release no_gil;
+    gdr::chunk_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(), beta.data_ptr<float>(), initial,
+                   with_output ? o.data_ptr() : nullptr, final_state.data_ptr<float>(),
+                   save_states ? states.data_ptr<float>() : nullptr);
+  }
+  return {o, final_state, states};
+}
+
+// -> [dq, dk, dv, dg (float32), dbeta (float32), d_initial_state (or empty)]
+std::vector<Tensor> chunk_bwd(const Tensor& grad_o, const optional<Tensor>& grad_final_state, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, double scale,
+                              bool want_d_initial, bool l2norm, const optional<Tensor>& cu_seqlens, int64_t chunk,
+                              const Tensor& chunk_states, int64_t stages) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
+  check_inputs(p, q, k, v, g, beta);
+  check(grad_o, "grad_o", q.scalar_type(), v.numel());
+  check(chunk_states, "chunk_states", at::kFloat, total_chunks(p) * p.HV * p.K * p.V);
+  const float* grad_final = optional_state(grad_final_state, p, "grad_final_state");
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+  Tensor dv = at::empty(v.sizes(), v.options());
+  Tensor dg = at::empty(g.sizes(), f32), dbeta = at::empty(beta.sizes(), f32);
+  Tensor d_initial = want_d_initial ? at::empty({p.num_seqs(), p.HV, p.K, p.V}, f32) : at::empty({0}, f32);
+  {
+    pybind11::gil_scoped_release no_gil;
+    gdr::chunk_bwd(p, grad_o.data_ptr(), grad_final, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
+                   beta.data_ptr<float>(), chunk_states.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(),
+                   dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(),
+                   want_d_initial ? d_initial.data_ptr<float>() : nullptr);
+  }
+  return {dq, dk, dv, dg, dbeta, d_initial};
+}
+
+// -> [o, final_state]; with `out_state` given, the final state is written there (it may be
+// the initial state itself: an in-place step).
+std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                  const Tensor& beta, double scale, const optional<Tensor>& initial_state, bool l2norm,
+                                  const optional<Tensor>& cu_seqlens, const optional<Tensor>& out_state) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
+  check_inputs(p, q, k, v, g, beta);
+  const float* initial = optional_state(initial_state, p, "initial_state");
+  Tensor final_state;
+  if (out_state.has_value() && out_state->defined()) {
+    optional_state(out_state, p, "out_state");
+    final_state = *out_state;
+  } else {
+    final_state = at::empty({p.num_seqs(), p.HV, p.K, p.V}, q.options().dtype(at::kFloat));
+  }
+  Tensor o = at::empty(v.sizes(), v.options());
+  {
+    pybind11::gil_scoped_release no_gil;
+    gdr::recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(), beta.data_ptr<float>(),
+                       initial, o.data_ptr(), final_state.data_ptr<float>());
+  }
+  return {o, final_state};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch_gdr fused CPU kernels of the chunked gated delta rule";
+  m.def("chunk_fwd", &chunk_fwd);
+  m.def("chunk_bwd", &chunk_bwd);
+  m.def("recurrent_fwd", &recurrent_fwd);
+}

@@ -1,0 +1,318 @@
+// Pieces shared by the forward, the backward and the recurrent step: BLAS, dtype
+// conversion, OpenMP helpers, and the chunk tile (one chunk of one value head, loaded and
+// prepared in float32 in the calling thread's scratch).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "gdr_cpu.h"
+
+// The Fortran sgemm of the BLAS torch itself links (MKL in the x86 wheels), LP64.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace gdr {
+
+// Row-major C[M, N] = alpha * op(A)[M, Kd] * op(B)[Kd, N] + beta * C.
+inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t kd, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // Column-major view: C^T = op(B)^T op(A)^T.
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), Kd = static_cast<int>(kd);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  sgemm_(&ta, &tb, &M, &N, &Kd, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// Copy `n` elements to float32; returns a value that is NaN when any element is not finite.
+template <typename T>
+inline float load_row(const T* src, float* dst, int64_t n) {
+  float probe = 0.0f;
+#pragma omp simd reduction(+ : probe)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = to_float(src[i]);
+    dst[i] = x;
+    probe += x * 0.0f;  // NaN for NaN or +-inf
+  }
+  return probe;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Decays below this are flushed to zero: products of many factors would otherwise drift
+// into denormals, which cost a microcode assist per multiply.
+constexpr float kTiny = 1e-30f;
+inline float flush(float x) { return x < kTiny ? 0.0f : x; }
+
+// A float buffer of the calling thread, `slot` naming its use, kept across calls: after
+// the first call no page faults and no zeroing. Contents are undefined on return.
+inline float* thread_workspace(int slot, int64_t floats) {
+  constexpr int kSlots = 4;
+  thread_local std::unique_ptr<float[]> buffers[kSlots];
+  thread_local int64_t sizes[kSlots] = {0, 0, 0, 0};
+  if (sizes[slot] < floats) {
+    buffers[slot].reset();
+    buffers[slot].reset(new float[static_cast<size_t>(floats)]);
+    sizes[slot] = floats;
+  }
+  return buffers[slot].get();
+}
+
+enum WorkspaceSlot { kStore = 0, kScratch = 1 };
+
+// Run body(scratch, i) for i in [0, n) in one parallel region of up to `threads` threads
+// (no region with one), `scratch` being `scratch_floats` floats of the running thread.
+// With `contiguous`, each thread takes one contiguous block of items (so that item i + 1 is
+// usually its next, worth prefetching); else items are handed out one at a time.
+template <typename Body>
+inline void parallel_items(int threads, int64_t n, int64_t scratch_floats, Body body, bool contiguous = false) {
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  if (nt <= 1) {
+    float* scratch = thread_workspace(kScratch, scratch_floats);
+    for (int64_t i = 0; i < n; ++i) body(scratch, i);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    float* scratch = thread_workspace(kScratch, scratch_floats);
+    if (contiguous) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) body(scratch, i);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) body(scratch, i);
+    }
+  }
+}
+
+// Segments: ranges of chunk indices [c0, c1) processed together by every sequence that
+// still has chunks there, sized so that the stored per-chunk intermediates stay within a
+// budget; `active` lists those sequences.
+struct Segment {
+  int64_t c0, c1;
+  std::vector<int64_t> active;
+  int64_t slots() const { return (c1 - c0) * static_cast<int64_t>(active.size()); }
+};
+
+inline std::vector<Segment> make_segments(const Problem& p, int64_t bytes_per_matrix_chunk, int64_t budget_bytes) {
+  std::vector<Segment> segs;
+  int64_t max_nc = 0;
+  for (int64_t n = 0; n < p.num_seqs(); ++n) max_nc = std::max(max_nc, p.num_chunks(n));
+  int64_t c0 = 0;
+  while (c0 < max_nc) {
+    Segment s;
+    s.c0 = c0;
+    for (int64_t n = 0; n < p.num_seqs(); ++n)
+      if (p.num_chunks(n) > c0) s.active.push_back(n);
+    const int64_t per_chunk = static_cast<int64_t>(s.active.size()) * p.HV * bytes_per_matrix_chunk;
+    int64_t g = std::max<int64_t>(1, budget_bytes / std::max<int64_t>(1, per_chunk));
+    // Enough work items per stage for every thread.
+    while (g * static_cast<int64_t>(s.active.size()) * p.HV < 2 * p.threads && c0 + g < max_nc) ++g;
+    s.c1 = std::min(max_nc, c0 + g);
+    c0 = s.c1;
+    segs.push_back(std::move(s));
+  }
+  return segs;
+}
+
+// Whether to run both stages per work unit (a sequence's value head, or its query/key head
+// in the backward), chunk after chunk in one thread: with one thread always (best cache
+// use), else when the units keep every thread busy (many, or as many equal ones as a
+// multiple of the threads). Otherwise the stages run over segments, the first parallel
+// over chunks too.
+inline bool fuse_stages(const Problem& p, int64_t units) {
+  if (p.stages != Stages::Auto) return p.stages == Stages::Fused;
+  if (p.threads <= 1 || units >= 4 * static_cast<int64_t>(p.threads)) return true;
+  if (units < p.threads || units % p.threads != 0) return false;
+  for (int64_t n = 1; n < p.num_seqs(); ++n)
+    if (p.len[n] != p.len[0]) return false;
+  return true;
+}
+
+inline std::vector<int64_t> chunk_offsets(const Problem& p) {
+  std::vector<int64_t> off(p.num_seqs() + 1, 0);
+  for (int64_t n = 0; n < p.num_seqs(); ++n) off[n + 1] = off[n] + p.num_chunks(n);
+  return off;
+}
+
+// One chunk of one (sequence, value head), float32, rows [rows, C) zero-padded.
+struct Tile {
+  int64_t C = 0, K = 0, V = 0;
+  float* qk = nullptr;     // [2C, K]: rows :C the query y_q (l2-normalised if asked, unscaled), rows C: the key
+  float* rnorm = nullptr;  // [2C]: 1 / |x| of the l2norm (query rows, then key rows)
+  float* v = nullptr;      // [C, V]
+  float* g = nullptr;      // [C]: log decay (0 on padding and after a bad token)
+  float* beta = nullptr;   // [C]
+  float* alpha = nullptr;  // [C]: exp(g)
+  float* gexp = nullptr;   // [C]: exp(gamma_r), the decay from the chunk's start through r
+  float* kdec = nullptr;   // [C]: exp(gamma_C - gamma_r), the decay after r to the chunk's end
+  float* gam = nullptr;    // [C, C]: Gamma[r][s] = exp(gamma_r - gamma_s) for s <= r, 0 above
+  int64_t rows = 0;        // valid tokens
+  int64_t bad = 0;         // first token with a non-finite k, v, beta or g (NaN or +inf); rows when none
+
+  float* query() const { return qk; }
+  float* key() const { return qk + C * K; }
+  float chunk_decay() const { return gexp[C - 1]; }
+
+  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 2 * C * K + 2 * C + C * V + 6 * C + C * C; }
+  void bind(float* mem, int64_t c, int64_t k, int64_t v_dim) {
+    C = c, K = k, V = v_dim;
+    qk = mem, mem += 2 * C * K;
+    rnorm = mem, mem += 2 * C;
+    v = mem, mem += C * V;
+    g = mem, mem += C;
+    beta = mem, mem += C;
+    alpha = mem, mem += C;
+    gexp = mem, mem += C;
+    kdec = mem, mem += C;
+    mem += C;  // spare
+    gam = mem;
+  }
+};
+
+inline void l2norm_rows(float* x, float* rnorm, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * dim;
+    const float inv = 1.0f / std::sqrt(dot(row, row, dim) + 1e-6f);
+    rnorm[r] = inv;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) row[i] *= inv;
+  }
+}
+
+// Load chunk `c` of sequence `n`, value head `h`, into `t`, sanitised: from the first bad
+// token on, k, v, beta and g are zeroed (the caller re-poisons what follows it), so that no
+// NaN of a later token reaches an earlier one through a masked product. The query is
+// loaded only when `with_query`.
+template <typename T>
+void load_tile(const Problem& p, Tile& t, const T* q, const T* k, const T* v, const float* g, const float* beta,
+               int64_t n, int64_t c, int64_t h, bool with_query) {
+  const int64_t C = p.C, K = p.K, V = p.V, hk = h / p.group();
+  const int64_t t0 = p.bos[n] + c * C;
+  t.rows = std::min<int64_t>(C, p.len[n] - c * C);
+  t.bad = t.rows;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t tok = t0 + r;
+    if (with_query) load_row(q + (tok * p.H + hk) * K, t.query() + r * K, K);
+    float probe = load_row(k + (tok * p.H + hk) * K, t.key() + r * K, K);
+    probe += load_row(v + (tok * p.HV + h) * V, t.v + r * V, V);
+    const float gr = g[tok * p.HV + h], br = beta[tok * p.HV + h];
+    t.g[r] = gr;
+    t.beta[r] = br;
+    const bool bad = std::isnan(probe) || std::isnan(gr) || gr == std::numeric_limits<float>::infinity() ||
+                     !std::isfinite(br);
+    if (bad && t.bad == t.rows) t.bad = r;
+  }
+  const int64_t clean = t.bad;  // rows [clean, C) become padding
+  if (with_query) std::memset(t.query() + t.rows * K, 0, sizeof(float) * (C - t.rows) * K);
+  std::memset(t.key() + clean * K, 0, sizeof(float) * (C - clean) * K);
+  std::memset(t.v + clean * V, 0, sizeof(float) * (C - clean) * V);
+  for (int64_t r = clean; r < C; ++r) t.g[r] = 0.0f, t.beta[r] = 0.0f;
+  if (p.l2norm) {
+    if (with_query) l2norm_rows(t.query(), t.rnorm, C, K);
+    l2norm_rows(t.key(), t.rnorm + C, C, K);
+  }
+}
+
+// A prefetch into L2 that the optimiser keeps: GCC 12 deletes __builtin_prefetch loops it
+// finds otherwise empty.
+inline void prefetch_l2(const char* address) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*address));
+#else
+  __builtin_prefetch(address, 0, 2);
+#endif
+}
+
+// Ask for the rows of chunk `c` (value head `h`) of up to three token-major tensors of
+// `width` x `bytes` per (token, head), to be brought into L2 while the current chunk computes.
+inline void prefetch_rows(const void* base, int64_t token0, int64_t rows, int64_t heads, int64_t head,
+                          int64_t row_bytes) {
+  if (!base) return;
+  const char* b = static_cast<const char*>(base);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = b + ((token0 + r) * heads + head) * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) prefetch_l2(row + off);
+  }
+}
+
+template <typename T>
+inline void prefetch_chunk(const Problem& p, const T* q, const T* k, const T* v, int64_t n, int64_t c, int64_t h) {
+  if (c >= p.num_chunks(n)) return;
+  const int64_t t0 = p.bos[n] + c * p.C, rows = std::min<int64_t>(p.C, p.len[n] - c * p.C), hk = h / p.group();
+  prefetch_rows(q, t0, rows, p.H, hk, p.K * sizeof(T));
+  prefetch_rows(k, t0, rows, p.H, hk, p.K * sizeof(T));
+  prefetch_rows(v, t0, rows, p.HV, h, p.V * sizeof(T));
+}
+
+// The decays of a loaded tile, from the per-token factors alpha = exp(g) by running
+// products (prefix, suffix and, for Gamma, row r = row r-1 times alpha_r): no difference of
+// two cumulative sums is ever formed, so any g <= 0, -inf included, is as exact as the
+// recurrence, which multiplies the same factors.
+inline void tile_decays(Tile& t) {
+  const int64_t C = t.C;
+  for (int64_t r = 0; r < C; ++r) t.alpha[r] = std::exp(t.g[r]);
+  float run = 1.0f;
+  for (int64_t r = 0; r < C; ++r) run = flush(run * t.alpha[r]), t.gexp[r] = run;
+  run = 1.0f;
+  t.kdec[C - 1] = 1.0f;
+  for (int64_t r = C - 1; r > 0; --r) run = flush(run * t.alpha[r]), t.kdec[r - 1] = run;
+  float* gam = t.gam;
+  std::memset(gam, 0, sizeof(float) * C);
+  gam[0] = 1.0f;
+  for (int64_t r = 1; r < C; ++r) {
+    const float a = t.alpha[r];
+    const float* prev = gam + (r - 1) * C;
+    float* row = gam + r * C;
+#pragma omp simd
+    for (int64_t s = 0; s < r; ++s) {
+      const float x = prev[s] * a;
+      row[s] = x < kTiny ? 0.0f : x;
+    }
+    row[r] = 1.0f;
+    std::memset(row + r + 1, 0, sizeof(float) * (C - r - 1));
+  }
+}
+
+// The parallel part of a tile (one chunk, one value head):
+//   sim  [2C, C] scratch: [Q; K] K^T (query rows only when `with_query`)
+//   gram [C, C]: G = strictly_lower(K K^T * Gamma)
+//   attn [C, C]: P = scale (y_q K^T) * Gamma on and below the diagonal (when `with_query`)
+//   inv  [C, C]: T = (I + diag(beta) G)^-1 (unit lower triangular)
+//   tb   [C, C] scratch
+//   u [C, V] = T diag(beta) V,  w [C, K] = w_alpha T diag(beta exp(gamma)) K
+void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
+                float* tb, float* u, float* w, float w_alpha);
+
+// Bytes of per-chunk intermediates a segment may hold between its stages: small enough to
+// stay in the last-level cache of a small machine, large enough to give every thread work.
+constexpr int64_t kForwardBudget = int64_t(4) << 20;
+constexpr int64_t kBackwardBudget = int64_t(6) << 20;
+
+}  // namespace gdr

@@ -1,0 +1,248 @@
+// The chunked forward: per segment of chunks, one parallel region over (sequence, chunk,
+// value head) for the whole intra-chunk part, then one over (sequence, value head) for the
+// state scan, which also writes the outputs (each state stays in the thread's cache).
+#include "common.h"
+
+namespace gdr {
+
+namespace {
+
+// T = (I + diag(beta) G)^-1 for strictly lower G [C, C], any C.
+void unit_lower_inverse_any(const float* gram, const float* beta, float* inv, int64_t C) {
+  std::memset(inv, 0, sizeof(float) * C * C);
+  for (int64_t r = 0; r < C; ++r) {
+    float* row = inv + r * C;
+    row[r] = 1.0f;
+    const float br = beta[r];
+    if (br == 0.0f) continue;
+    const float* gr = gram + r * C;
+    for (int64_t s = 0; s < r; ++s) {
+      const float a = br * gr[s];
+      if (a == 0.0f) continue;
+      const float* ts = inv + s * C;
+#pragma omp simd
+      for (int64_t j = 0; j <= s; ++j) row[j] -= a * ts[j];
+    }
+  }
+}
+
+// The same for C = 16 * NV, each row accumulated in NV registers of 16 floats: T_s is zero
+// after column s, so only its first s / 16 + 1 vectors are read.
+template <int NV>
+void unit_lower_inverse(const float* gram, const float* beta, float* inv, int64_t C) {
+  typedef float vec16 __attribute__((vector_size(64)));
+  for (int64_t r = 0; r < C; ++r) {
+    vec16 acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+    const float br = beta[r];
+    const float* gr = gram + r * C;
+    if (br != 0.0f) {
+      for (int64_t s = 0; s < r; ++s) {
+        const float a = br * gr[s];
+        if (a == 0.0f) continue;
+        const float* ts = inv + s * C;
+        const int64_t used = s / 16;
+        for (int v = 0; v < NV; ++v) {
+          if (v > used) break;
+          vec16 x;
+          std::memcpy(&x, ts + 16 * v, sizeof(x));
+          acc[v] -= a * x;
+        }
+      }
+    }
+    float* row = inv + r * C;
+    for (int v = 0; v < NV; ++v) std::memcpy(row + 16 * v, &acc[v], sizeof(vec16));
+    row[r] = 1.0f;
+  }
+}
+
+}  // namespace
+
+void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
+                float* tb, float* u, float* w, float w_alpha) {
+  const int64_t C = t.C, K = t.K, V = t.V;
+  const float* gam = t.gam;
+  // [Q; K] K^T in one GEMM (only the key rows without the query).
+  if (with_query)
+    gemm(false, true, 2 * C, C, K, 1.0f, t.qk, K, t.key(), K, 0.0f, sim, C);
+  else
+    gemm(false, true, C, C, K, 1.0f, t.key(), K, t.key(), K, 0.0f, sim + C * C, C);
+  // Masks by selection, never by multiplying with 0 (0 * inf is NaN).
+  for (int64_t r = 0; r < C; ++r) {
+    const float* kk = sim + (C + r) * C;
+    const float* gr = gam + r * C;
+    float* out = gram + r * C;
+#pragma omp simd
+    for (int64_t s = 0; s < C; ++s) out[s] = s < r ? kk[s] * gr[s] : 0.0f;
+    if (with_query) {
+      const float* qk = sim + r * C;
+      float* a = attn + r * C;
+#pragma omp simd
+      for (int64_t s = 0; s < C; ++s) a[s] = s <= r ? scale * qk[s] * gr[s] : 0.0f;
+    }
+  }
+  // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
+  if (C % 16 == 0 && C <= 128) {
+    switch (C / 16) {
+      case 1: unit_lower_inverse<1>(gram, t.beta, inv, C); break;
+      case 2: unit_lower_inverse<2>(gram, t.beta, inv, C); break;
+      case 4: unit_lower_inverse<4>(gram, t.beta, inv, C); break;
+      case 8: unit_lower_inverse<8>(gram, t.beta, inv, C); break;
+      default: unit_lower_inverse_any(gram, t.beta, inv, C);
+    }
+  } else {
+    unit_lower_inverse_any(gram, t.beta, inv, C);
+  }
+  // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
+  for (int64_t r = 0; r < C; ++r) {
+    const float* ti = inv + r * C;
+    float* o = tb + r * C;
+#pragma omp simd
+    for (int64_t s = 0; s < C; ++s) o[s] = ti[s] * t.beta[s];
+  }
+  gemm(false, false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V);
+  for (int64_t r = 0; r < C; ++r) {
+    float* o = tb + r * C;
+#pragma omp simd
+    for (int64_t s = 0; s < C; ++s) o[s] *= t.gexp[s];
+  }
+  gemm(false, false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
+}
+
+namespace {
+
+// Per (chunk, value head) intermediates handed from the parallel part to the scan, stacked
+// so that the scan's products sharing an operand are single GEMMs.
+struct ForwardItem {
+  int64_t C, K, V;
+  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 2 * C * V + 3 * C * K + C * C + 16; }
+  float* base;
+  float* ou() const { return base; }                      // [2C, V]: rows :C O, rows C: U, then V'
+  float* u() const { return ou() + C * V; }
+  float* qw() const { return ou() + 2 * C * V; }          // [2C, K]: rows :C Qg = scale exp(gamma) y_q, rows C: -W
+  float* neg_w() const { return qw() + C * K; }
+  float* kd() const { return qw() + 2 * C * K; }          // [C, K]: exp(gamma_C - gamma) K
+  float* attn() const { return kd() + C * K; }            // [C, C]: P
+  float* meta() const { return attn() + C * C; }          // [0] chunk decay, [1] rows, [2] bad
+};
+
+template <typename T>
+void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+                   const float* initial, T* o, float* final_state, float* chunk_states) {
+  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV, N = p.num_seqs();
+  const bool with_query = o != nullptr;
+  const int64_t state_size = K * V;
+  if (initial)
+    std::memcpy(final_state, initial, sizeof(float) * N * HV * state_size);
+  else
+    std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
+  const std::vector<int64_t> chunk_off = chunk_offsets(p);
+  const int64_t item_floats = ForwardItem::floats(C, K, V);
+  const int64_t scratch_floats = Tile::floats(C, K, V) + 5 * C * C;
+
+  // Stage 1 of one (sequence n, chunk c, value head h): everything but the state.
+  auto intra = [&](const ForwardItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
+    Tile t;
+    t.bind(scratch, C, K, V);
+    float* sim = scratch + Tile::floats(C, K, V);
+    float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
+    load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
+    tile_decays(t);
+    tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f);
+    for (int64_t r = 0; r < C; ++r) {
+      const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
+      const float *yq = t.query() + r * K, *kr = t.key() + r * K;
+      float *oq = it.qw() + r * K, *ok = it.kd() + r * K;
+      if (with_query) {
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) oq[j] = fq * yq[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) ok[j] = fk * kr[j];
+    }
+    it.meta()[0] = t.chunk_decay();
+    it.meta()[1] = static_cast<float>(t.rows);
+    it.meta()[2] = static_cast<float>(t.bad);
+  };
+  // Stage 2 of one chunk: the outputs and the state leaving it, from the state entering it.
+  auto scan_step = [&](const ForwardItem& it, int64_t n, int64_t c, int64_t h) {
+    float* state = final_state + (n * HV + h) * state_size;
+    if (chunk_states)
+      std::memcpy(chunk_states + ((chunk_off[n] + c) * HV + h) * state_size, state, sizeof(float) * state_size);
+    const float decay = it.meta()[0];
+    const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
+    if (with_query) {
+      // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
+      std::memset(it.ou(), 0, sizeof(float) * C * V);
+      gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
+      gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+      float* out = it.ou();
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
+      const int64_t t0 = p.bos[n] + c * C;
+      for (int64_t r = 0; r < rows; ++r) store_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
+    } else {
+      gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+    }
+    // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
+    gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
+    if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
+  };
+
+  if (fuse_stages(p, N * HV)) {
+    // Enough balanced (sequence, value head) pairs for every thread: each runs both stages
+    // chunk after chunk, its item and state staying in its cache, with no barrier at all.
+    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
+      const int64_t n = i / HV, h = i % HV;
+      const ForwardItem it{C, K, V, scratch + scratch_floats};
+      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
+        intra(it, scratch, n, c, h);
+        prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
+        scan_step(it, n, c, h);
+      }
+    });
+    return;
+  }
+  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
+  int64_t max_slots = 0;
+  for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
+  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
+  auto item_at = [&](int64_t slot, int64_t h) { return ForwardItem{C, K, V, store + (slot * HV + h) * item_floats}; };
+  for (const Segment& seg : segments) {
+    const int64_t nact = static_cast<int64_t>(seg.active.size());
+    // Stage 1: every (chunk, sequence, value head) of the segment.
+    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
+      const int64_t n = seg.active[a];
+      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
+    });
+    // Stage 2: the scan over the segment's chunks, per (sequence, value head).
+    parallel_items(p.threads, nact * HV, 0, [&](float*, int64_t i) {
+      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
+      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
+      for (int64_t c = seg.c0; c < c_end; ++c) scan_step(item_at((c - seg.c0) * nact + a, h), n, c, h);
+    });
+  }
+}
+
+}  // namespace
+
+void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
+               const float* initial, void* o, float* final_state, float* chunk_states) {
+  switch (p.dtype) {
+    case DType::Float:
+      return forward_typed(p, static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), g, beta, initial, static_cast<float*>(o), final_state,
+                           chunk_states);
+    case DType::Half:
+      return forward_typed(p, static_cast<const c10::Half*>(q), static_cast<const c10::Half*>(k),
+                           static_cast<const c10::Half*>(v), g, beta, initial, static_cast<c10::Half*>(o),
+                           final_state, chunk_states);
+    case DType::BFloat16:
+      return forward_typed(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
+                           static_cast<const c10::BFloat16*>(v), g, beta, initial, static_cast<c10::BFloat16*>(o),
+                           final_state, chunk_states);
+  }
+}
+
+}  // namespace gdr

@@ -1,0 +1,54 @@
+// Fused CPU kernels of the chunked gated delta rule: shared declarations.
+//
+// Every tensor reaches the kernels as a raw pointer to contiguous memory, token-major:
+//   q, k      [Ttot, H, K]      (scalar_t: float, c10::Half or c10::BFloat16)
+//   v, o, do  [Ttot, HV, V]     (scalar_t)
+//   g, beta   [Ttot, HV]        (float32)
+//   states    [N, HV, K, V]     (float32, key-first)
+// where Ttot = B * T and sequence n covers tokens [bos[n], bos[n] + len[n]).
+// The chunk states (state entering every chunk) are [total_chunks, HV, K, V] float32, the
+// chunks of sequence n at rows [chunk_off[n], chunk_off[n] + ceil(len[n] / C)).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace gdr {
+
+enum class DType { Float, Half, BFloat16 };
+
+// How the stages of the chunked kernels run (see fuse_stages in common.h); tests force each.
+enum class Stages { Auto = 0, Fused = 1, Segmented = 2 };
+
+// The shape of one call and its sequences.
+struct Problem {
+  DType dtype = DType::Float;
+  int64_t H = 0, HV = 0, K = 0, V = 0, C = 64;
+  float scale = 1.0f;
+  bool l2norm = false;
+  int threads = 1;
+  Stages stages = Stages::Auto;
+  std::vector<int64_t> bos, len;  // per sequence
+  int64_t num_seqs() const { return static_cast<int64_t>(len.size()); }
+  int64_t group() const { return HV / H; }
+  int64_t num_chunks(int64_t n) const { return (len[n] + C - 1) / C; }
+};
+
+// Forward. `o` may be null (states only). `initial` may be null (zeros). `final_state` is
+// written (float32 [N, HV, K, V]). `chunk_states` may be null; else [total_chunks, HV, K, V].
+void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
+               const float* initial, void* o, float* final_state, float* chunk_states);
+
+// Backward from the chunk states the forward saved (required: the caller recomputes them
+// with chunk_fwd when it has none). `grad_final` / `d_initial` may be null.
+// dq, dk, dv in scalar_t; dg, dbeta float32.
+void chunk_bwd(const Problem& p, const void* grad_o, const float* grad_final, const void* q, const void* k,
+               const void* v, const float* g, const float* beta, const float* chunk_states, void* dq, void* dk,
+               void* dv, float* dg, float* dbeta, float* d_initial);
+
+// The per-token recurrence (decode, short T): reads `initial` (null: zeros) and writes
+// `final_state`; the two may alias (in place).
+void recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
+                   const float* beta, const float* initial, void* o, float* final_state);
+
+}  // namespace gdr

@@ -1,0 +1,172 @@
+"""The Python entry points of the fused CPU kernels, with the pure-torch path as fallback.
+
+Canonical layout: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (``HV % H == 0``); g, beta
+``[B, T, HV]``; initial_state key-first ``[N, HV, K, V]`` or None; cu_seqlens int64
+``[N + 1]`` or None (then B == 1); scale a float. The kernels compute in float32 for
+float32, float16 and bfloat16 inputs (states always float32); float64 inputs, and every
+call when the extension cannot be built, go to the pure-torch path (``torch_gdr.ref``),
+which warns once. The chunk states a forward returns are opaque: pass them to
+:func:`chunk_bwd` of the same call and nowhere else (their layout differs between the
+kernels and the fallback, and a call takes the same path forward and backward).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from torch_gdr.ops.cpu import _build
+
+Tensor = torch.Tensor
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: How the chunked kernels run their stages: 0 chooses (per unit in one thread when the
+#: units keep every thread busy, else over segments with the intra-chunk part parallel over
+#: chunks), 1 forces the first, 2 the second. Tests set it to cover both.
+STAGES = 0
+_warned = False
+
+
+def available() -> bool:
+    """True when the extension is built (building it now if needed) and loaded."""
+    return _build.load() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (no compiler, a build failure...), or None."""
+    available()
+    return _build.unavailable_reason()
+
+
+def _extension(dtype: torch.dtype):
+    """The extension for inputs of ``dtype``, or None for the pure-torch path."""
+    global _warned
+    if dtype not in _KERNEL_DTYPES:
+        return None
+    module = _build.load()
+    if module is None and not _warned:
+        _warned = True
+        warnings.warn(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()}); "
+                      "using the pure-torch path", RuntimeWarning, stacklevel=3)
+    return module
+
+
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Optional[Tensor]):
+    dtype = v.dtype
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    g, beta = (t.to(torch.float32).contiguous() for t in (g, beta))
+    cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    return q, k, v, g, beta, cu
+
+
+def _state(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+def _total_chunks(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> int:
+    if cu_seqlens is None:
+        return v.shape[0] * -(-v.shape[1] // chunk_size)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return int(((lengths + chunk_size - 1) // chunk_size).sum())
+
+
+def _scale(scale: Optional[float], q: Tensor) -> float:
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+              initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
+              save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The chunked forward.
+
+    Returns:
+        ``o [B, T, HV, V]`` in v's dtype, the final state ``[N, HV, K, V]`` float32 (float64
+        for float64 inputs), and with ``save_states`` the chunk states for :func:`chunk_bwd`
+        (kernels: ``[total_chunks, HV, K, V]`` float32, the state entering every chunk of
+        every sequence, sequences in order), else None.
+    """
+    ext = _extension(v.dtype)
+    if ext is None:
+        from torch_gdr.ref.chunk import _forward_impl
+
+        out = _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size,
+                            save_states=save_states)
+        return (out[0], out[1], out[2] if save_states else None)
+    q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
+    o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
+                                           bool(use_qk_l2norm), cu, int(chunk_size), bool(save_states), True, STAGES)
+    return o, final_state, (states if save_states else None)
+
+
+def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+              g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor], use_qk_l2norm: bool,
+              cu_seqlens: Optional[Tensor], chunk_size: int, chunk_states: Optional[Tensor]
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of :func:`chunk_fwd` for the loss with gradients ``grad_o`` on o (None:
+    zeros) and ``grad_final_state`` on the final state (None: zeros).
+
+    ``chunk_states``: what :func:`chunk_fwd` returned with ``save_states``, or None to
+    recompute them (one more forward scan, without outputs).
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the shapes and dtypes of their
+        inputs; ``d_initial_state`` is None when ``initial_state`` is None.
+    """
+    ext = _extension(v.dtype)
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    if ext is None:
+        from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+
+        return chunk_gated_delta_rule_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
+                                          use_qk_l2norm, cu_seqlens, chunk_size, chunk_states=chunk_states)
+    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+    q_, k_, v_, g_, beta_, cu = _prepare(q, k, v, g, beta, cu_seqlens)
+    scale_ = _scale(scale, q)
+    if chunk_states is None:
+        _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
+                                           cu, int(chunk_size), True, False, STAGES)
+    else:
+        expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
+        if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:
+            raise ValueError(f"chunk_states: expected float32 of shape {list(expected)} for this call, got "
+                             f"{chunk_states.dtype} of shape {list(chunk_states.shape)}")
+    grads = ext.chunk_bwd(grad_o.to(v.dtype).contiguous(), _state(grad_final_state), q_, k_, v_, g_, beta_, scale_,
+                          initial_state is not None, bool(use_qk_l2norm), cu, int(chunk_size),
+                          chunk_states.contiguous(), STAGES)
+    out = [t.to(dtype) for t, dtype in zip(grads[:5], dtypes)]
+    d_initial = grads[5].to(initial_state.dtype) if initial_state is not None else None
+    return (*out, d_initial)
+
+
+def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                  initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor],
+                  out_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The per-token recurrence, fused (decode and short T).
+
+    ``out_state``: a float32 contiguous ``[N, HV, K, V]`` tensor to write the final state
+    into, or None for a new one; it may be ``initial_state`` itself (an in-place step).
+
+    Returns:
+        ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` float32
+        (float64 for float64 inputs; ``out_state`` when given).
+    """
+    ext = _extension(v.dtype)
+    if ext is None:
+        from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+        o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, True,
+                                                          use_qk_l2norm, cu_seqlens)
+        if out_state is not None:
+            out_state.copy_(final_state)
+            final_state = out_state
+        return o, final_state
+    q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
+    if out_state is not None and (out_state.dtype != torch.float32 or not out_state.is_contiguous()):
+        raise ValueError(f"out_state: expected a contiguous float32 tensor, got {out_state.dtype} "
+                         f"(contiguous: {out_state.is_contiguous()})")
+    initial = initial_state if initial_state is out_state else _state(initial_state)
+    return tuple(ext.recurrent_fwd(q, k, v, g, beta, _scale(scale, q), initial, bool(use_qk_l2norm), cu, out_state))

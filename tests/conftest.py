@@ -59,16 +59,23 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def recompute_passes(monkeypatch) -> list:
-    """Records, for every load_segment call of the backward, whether it was the recompute
-    pass's (``states_only``)."""
+    """Records, for every pass of a backward over the chunks, whether it recomputed the chunk
+    states: the pure-torch backward's load_segment calls (``states_only`` marks the recompute
+    pass) and the fused CPU kernels' backward calls (recomputing when given no states)."""
+    import torch_gdr.ops.cpu.kernels as cpu_kernels
     import torch_gdr.ref.chunk_backward as chunk_backward
 
     passes = []
-    real = chunk_backward.load_segment
+    real_load, real_cpu_bwd = chunk_backward.load_segment, cpu_kernels.chunk_bwd
 
-    def counting(*args, **kwargs):
+    def counting_load(*args, **kwargs):
         passes.append(kwargs.get("states_only", False))
-        return real(*args, **kwargs)
+        return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(chunk_backward, "load_segment", counting)
+    def counting_cpu_bwd(*args):
+        passes.append(args[-1] is None)  # chunk_states: None means a recompute
+        return real_cpu_bwd(*args)
+
+    monkeypatch.setattr(chunk_backward, "load_segment", counting_load)
+    monkeypatch.setattr(cpu_kernels, "chunk_bwd", counting_cpu_bwd)
     return passes

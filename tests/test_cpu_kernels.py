@@ -27,7 +27,8 @@ from tests.helpers import make_inputs as make_forward_inputs
 from tests.test_backward import CASES as BACKWARD_CASES
 from tests.test_backward import Case, make_inputs, reference_grads, rmse_ratio
 from tests.test_reference import CASES as FORWARD_CASES
-from torch_gdr.ref.chunk import _forward_impl
+from torch_gdr.ops.cpu.kernels import _call as canonical_call
+from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -70,7 +71,7 @@ def test_forward_matches_recurrence_and_torch_path(case: str, l2norm: bool, stag
     assert states is None and o.dtype == torch.float32 and s.dtype == torch.float32
     assert o.shape == x["v"].shape and s.shape == expected_s.shape
     assert rmse_ratio(expected_o, o) < FP32_BOUND and rmse_ratio(expected_s, s) < FP32_BOUND
-    torch_o, torch_s = _forward_impl(*args, 32)
+    torch_o, torch_s, _ = chunk_gated_delta_rule_fwd(canonical_call(*args, 32))
     torch.testing.assert_close(o, torch_o, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(s, torch_s, atol=2e-5, rtol=2e-5)
     o_step, s_step = cpu.recurrent_fwd(*args)
@@ -124,7 +125,7 @@ def test_grads_match_torch_path(name: str) -> None:
     if case.state_v_first and dht is not None:
         dht = dht.transpose(-1, -2)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], case.scale, h0, case.l2norm, cu, case.chunk)
-    expected = chunk_gated_delta_rule_bwd(data["do"].float(), dht, *args)
+    expected = chunk_gated_delta_rule_bwd(canonical_call(*args), data["do"].float(), dht)
     _, _, states = cpu.chunk_fwd(*args, True)
     got = cpu.chunk_bwd(data["do"].float(), dht, *args, states)
     for n, e, g in zip(NAMES, expected, got):

@@ -306,7 +306,7 @@ def test_fla_backward_refusal_falls_back_to_the_torch_backward(standin, any_devi
     backward's gradients."""
     from torch_gdr import _fallback
 
-    inputs = make_inputs(seq_len=20, num_qk_heads=1, num_v_heads=2, dtype=torch.float32)
+    inputs = make_inputs(seq_len=20, num_qk_heads=1, num_v_heads=2, dtype=torch.float32, normalize_qk=True)
     grads = {}
     for backend in ("torch", "fla"):
         leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}

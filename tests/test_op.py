@@ -88,7 +88,8 @@ def test_backend_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mixed_qk_and_v_dtypes_as_fla_takes_them(qk_dtype: torch.dtype, v_dtype: torch.dtype, backend: str) -> None:
     """q/k in one float dtype, v in another: the result (o in v's dtype) and every gradient
     (each in its input's dtype) equal the call with the inputs converted up front to the
-    compute dtype, float32."""
+    compute dtype, float32 (up to rounding: the two may run different kernels, e.g. the fused
+    CPU kernels take one dtype for q and v)."""
     inputs = make_inputs(seqlens=[30, 0, 17], num_qk_heads=1, num_v_heads=2, with_initial_state=True,
                          dtype=torch.float32)
     mixed = dict(inputs, q=inputs["q"].to(qk_dtype), k=inputs["k"].to(qk_dtype), v=inputs["v"].to(v_dtype))
@@ -102,7 +103,7 @@ def test_mixed_qk_and_v_dtypes_as_fla_takes_them(qk_dtype: torch.dtype, v_dtype:
         results.append((o, s, {n: leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")}))
     (o, s, grads), (o_ref, s_ref, grads_ref) = results
     assert o.dtype == v_dtype
-    torch.testing.assert_close(o, o_ref.to(v_dtype), atol=0, rtol=0)
+    torch.testing.assert_close(o.float(), o_ref.to(v_dtype).float(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-6)
     for n, grad in grads.items():
         assert grad.dtype == mixed[n].dtype, n

@@ -169,6 +169,15 @@ CPU_BACKENDS = ("torch", "recurrent", "pypto")
 CUDA_BACKENDS = ("torch", "recurrent", "fla")
 
 
+def cpu_kernels_status() -> str:
+    """Which kernels the ``"torch"`` backend runs on CPU tensors (building them on first use)."""
+    from torch_gdr.ops import cpu
+
+    if cpu.available():
+        return "fused C++/OpenMP (float32, float16, bfloat16; float64 runs pure torch)"
+    return f"pure torch ({cpu.unavailable_reason()})"
+
+
 def available_targets(backends: Optional[list[str]], include_pypto: bool = True) -> list[tuple[str, torch.device]]:
     """(backend, device) pairs to check: the CPU's backends (pypto only when
     ``include_pypto``), and with a GPU the CUDA ones (fla where fla-core imports)."""
@@ -228,6 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"against the per-token recurrence in float64 (float32 inputs, initial state, q/k l2norm)")
     if "pypto" in BACKENDS and not include_pypto and (args.backends is None or "pypto" in args.backends):
         say(f"  pypto: {status}")
+    say(f"  CPU kernels of the torch backend: {cpu_kernels_status()}")
 
     workloads: dict[str, Workload] = {}
 

@@ -26,10 +26,12 @@ import torch
 
 from torch_gdr._layout import GdrCall
 from torch_gdr._validate import check_inputs
+from torch_gdr.ops.cpu import kernels as cpu_kernels
 from torch_gdr.ops._define import (PUBLIC_SCHEMA, define_backend, define_backward_op, fake_outputs,
                                    register_autograd, run_forward)
 from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ref.nonfinite import contained
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule_bwd
 
 Tensor = torch.Tensor
@@ -48,10 +50,44 @@ def _torch_states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chun
     return [rows, q.shape[-1], v.shape[-1]]
 
 
-chunked_gated_delta_rule_backward = define_backward_op("gdr::chunked_gated_delta_rule_backward",
-                                                       chunk_gated_delta_rule_bwd)
-torch_chunked_fwd = define_backend("torch", chunk_gated_delta_rule_fwd, chunked_gated_delta_rule_backward,
-                                   _torch_states_shape)
+def _fused_cpu_kernels_serve(call: GdrCall) -> bool:
+    """Whether the fused C++ kernels (:mod:`torch_gdr.ops.cpu`) run this call: CPU tensors of
+    float32/float16/bfloat16 with q and v of one dtype, and an extension that builds here
+    (otherwise the pure-torch path, with one warning when it does not build). Forward and
+    backward of a call decide alike, so their chunk states always match."""
+    return (call.v.device.type == "cpu" and call.v.dtype in cpu_kernels.KERNEL_DTYPES and call.q.dtype == call.v.dtype
+            and cpu_kernels.available())
+
+
+def _torch_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The ``"torch"`` backend's forward: the fused CPU kernels where they serve, else the
+    pure-torch chunked algorithm. The kernels' chunk states ``[chunks, HV, K, V]`` travel as
+    ``[chunks * HV, K, V]``, the pure-torch path's shape."""
+    if not _fused_cpu_kernels_serve(call):
+        return chunk_gated_delta_rule_fwd(call, save_chunk_states)
+    o, final_state, states = contained(_fused_cpu_forward, call, save_chunk_states)
+    return o, final_state, None if states is None else states.flatten(0, 1)
+
+
+def _fused_cpu_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    return cpu_kernels.chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
+                                 call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states)
+
+
+def _torch_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
+                    chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """The ``"torch"`` backend's backward: the fused CPU kernels' where their forward ran."""
+    if not _fused_cpu_kernels_serve(call):
+        return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, chunk_states)
+    if chunk_states is not None:
+        chunk_states = chunk_states.unflatten(0, (-1, call.v.shape[2]))
+    return cpu_kernels.chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, call.scale,
+                                 call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size,
+                                 chunk_states)
+
+
+chunked_gated_delta_rule_backward = define_backward_op("gdr::chunked_gated_delta_rule_backward", _torch_backward)
+torch_chunked_fwd = define_backend("torch", _torch_forward, chunked_gated_delta_rule_backward, _torch_states_shape)
 
 
 def _host_offsets(call: GdrCall) -> Optional[Tensor]:
@@ -83,7 +119,7 @@ def _public_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     arguments. Returns ``o`` (layout of v, dtype of v) and the final state (float32, or
     float64 for float64 inputs), or an empty tensor when ``output_final_state`` is False."""
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    o, final_state, _ = run_forward(chunk_gated_delta_rule_fwd, q, k, v, g, beta, scale, initial_state,
+    o, final_state, _ = run_forward(_torch_forward, q, k, v, g, beta, scale, initial_state,
                                     output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
                                     state_v_first, False)
     return o, final_state

@@ -17,11 +17,13 @@ from typing import Optional
 
 import torch
 
+from torch_gdr._layout import GdrCall, default_scale
 from torch_gdr.ops.cpu import _build
 
 Tensor = torch.Tensor
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Input dtypes the kernels take (they compute in float32).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: How the chunked kernels run their stages: 0 chooses (per unit in one thread when the
 #: units keep every thread busy, else over segments with the intra-chunk part parallel over
@@ -44,7 +46,7 @@ def unavailable_reason() -> Optional[str]:
 def _extension(dtype: torch.dtype):
     """The extension for inputs of ``dtype``, or None for the pure-torch path."""
     global _warned
-    if dtype not in _KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return None
     module = _build.load()
     if module is None and not _warned:
@@ -74,7 +76,16 @@ def _total_chunks(v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int) -> i
 
 
 def _scale(scale: Optional[float], q: Tensor) -> float:
-    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+    return float(default_scale(q.shape[-1]) if scale is None else scale)
+
+
+def _call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+          initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor],
+          chunk_size: int) -> GdrCall:
+    """The canonical-layout arguments as the :class:`GdrCall` the pure-torch path takes."""
+    offsets = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    return GdrCall(q, k, v, g, beta, initial_state, cu_seqlens, offsets, _scale(scale, q), use_qk_l2norm,
+                   chunk_size)
 
 
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
@@ -90,11 +101,10 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     """
     ext = _extension(v.dtype)
     if ext is None:
-        from torch_gdr.ref.chunk import _forward_impl
+        from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
 
-        out = _forward_impl(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size,
-                            save_states=save_states)
-        return (out[0], out[1], out[2] if save_states else None)
+        return chunk_gated_delta_rule_fwd(_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens,
+                                                chunk_size), save_states)
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
                                            bool(use_qk_l2norm), cu, int(chunk_size), bool(save_states), True, STAGES)
@@ -121,8 +131,8 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     if ext is None:
         from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
 
-        return chunk_gated_delta_rule_bwd(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state,
-                                          use_qk_l2norm, cu_seqlens, chunk_size, chunk_states=chunk_states)
+        call = _call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size)
+        return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, chunk_states)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     q_, k_, v_, g_, beta_, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     scale_ = _scale(scale, q)

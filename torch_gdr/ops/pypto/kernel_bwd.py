@@ -81,25 +81,17 @@ from typing import Any
 import torch
 
 from ._env import import_pypto
-from .kernel import chunk_decays
+from .kernel import (BASE_BLOCK, DEFAULT_STITCH_FUNCTION_MAX_NUM, MASK_BASE_BLOCKS, MASK_IDENTITY, MASK_LOWER,
+                     MASK_STRICT_LOWER, chunk_decays)
 from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES
 from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 
-#: Size of the diagonal blocks inverted directly before the pairwise merges.
-BASE_BLOCK = 16
-#: pypto's stitch limit: how many loop bodies (one per chunk of a sequence) one submission
-#: holds. pypto 0.2.0's SIM mode crashes (segfault) with larger limits on calls that need
-#: more than one submission, so it is the forward's. Not run on hardware.
-DEFAULT_STITCH_FUNCTION_MAX_NUM = 128
 #: Cube tile edge: 128 x 128 tiles (the largest an Ascend 910B cube takes in fp32 with
 #: double buffering), so a chunk's l x l matmul is one task.
 CUBE_TILE = 128
 
-# Indices into the mask tensor.
-MASK_LOWER = 0  # r >= s
-MASK_STRICT_LOWER = 1  # r > s
-MASK_IDENTITY = 2
-MASK_BASE_BLOCKS = 3  # strictly lower part of the 16 x 16 diagonal blocks
+# Indices into the mask tensor: the forward's first four (BASE_BLOCK, the stitch limit and
+# the masks are shared with it), then
 # 4.. : for each merge level (block 16 -> 32 -> ... -> l), the lower-left quadrant of
 #       every diagonal block of the merged size.
 

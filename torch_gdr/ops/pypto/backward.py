@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -32,6 +32,7 @@ from torch_gdr.ref.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 
 from . import interpreter
 from .kernel_bwd import build_gdr_bwd_kernel, bwd_chunk_masks
+from .kernel_cache import KernelCache
 from .spec import CHUNK_SIZES
 
 Tensor = torch.Tensor
@@ -71,10 +72,8 @@ class BwdCacheInfo(NamedTuple):
     launches: int
 
 
-_lock = threading.Lock()
-_kernels: dict[BwdKernelKey, Any] = {}
-_hits = 0
-_misses = 0
+_kernels = KernelCache(BwdKernelKey, lambda **config: build_gdr_bwd_kernel(**config))
+_launch_lock = threading.Lock()
 _launches = 0
 
 
@@ -84,44 +83,33 @@ def get_gdr_bwd_kernel(*, builder: Callable[..., Any] | None = None, **config: A
     ``builder`` (default :func:`.kernel_bwd.build_gdr_bwd_kernel`) is called on a miss with
     the same keyword arguments.
     """
-    global _hits, _misses
-    key = BwdKernelKey(**config)
-    with _lock:
-        kernel = _kernels.get(key)
-        if kernel is not None:
-            _hits += 1
-            return kernel
-        build_args = asdict(key)
-        del build_args["kind"]
-        kernel = (builder or build_gdr_bwd_kernel)(**build_args)
-        _kernels[key] = kernel
-        _misses += 1
-        return kernel
+    return _kernels.get(builder, **config)
 
 
 def bwd_cache_info() -> BwdCacheInfo:
     """Hits, misses (= kernels built), the keys held, and the launches since the last clear."""
-    with _lock:
-        return BwdCacheInfo(hits=_hits, misses=_misses, keys=tuple(_kernels), launches=_launches)
+    info = _kernels.info()
+    with _launch_lock:
+        return BwdCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, launches=_launches)
 
 
 def bwd_cache_clear() -> None:
     """Drop every cached backward kernel and reset the statistics (launches included)."""
-    global _hits, _misses, _launches
-    with _lock:
-        _kernels.clear()
-        _hits = _misses = _launches = 0
+    global _launches
+    _kernels.clear()
+    with _launch_lock:
+        _launches = 0
 
 
 def launch_count() -> int:
     """How many times a backward kernel was launched (by any getter) since the last clear."""
-    with _lock:
+    with _launch_lock:
         return _launches
 
 
 def _count_launch() -> None:
     global _launches
-    with _lock:
+    with _launch_lock:
         _launches += 1
 
 

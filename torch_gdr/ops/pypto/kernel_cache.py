@@ -45,10 +45,49 @@ class CacheInfo(NamedTuple):
     keys: tuple[KernelKey, ...]
 
 
-_lock = threading.Lock()
-_kernels: dict[KernelKey, Any] = {}
-_hits = 0
-_misses = 0
+class KernelCache:
+    """Kernels built once per key, thread-safe: a lookup of a missing key builds it under the
+    cache's lock (concurrent lookups of one key build it once)."""
+
+    def __init__(self, key_type: type, default_builder: Callable[..., Any]) -> None:
+        self._key_type = key_type
+        self._default_builder = default_builder
+        self._lock = threading.Lock()
+        self._kernels: dict[Any, Any] = {}
+        self._hits = 0
+        self._misses = 0
+
+    def get(self, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
+        """The kernel for ``config`` (the key's fields), built by ``builder`` (the default
+        builder when None) from the key's fields on a miss."""
+        key = self._key_type(**config)
+        with self._lock:
+            kernel = self._kernels.get(key)
+            if kernel is not None:
+                self._hits += 1
+                return kernel
+            kernel = (builder or self._default_builder)(**build_arguments(key))
+            self._kernels[key] = kernel
+            self._misses += 1
+            return kernel
+
+    def info(self) -> CacheInfo:
+        """Hits, misses (= kernels built) and the keys held."""
+        with self._lock:
+            return CacheInfo(hits=self._hits, misses=self._misses, keys=tuple(self._kernels))
+
+    def clear(self) -> None:
+        """Drop every cached kernel and reset the statistics."""
+        with self._lock:
+            self._kernels.clear()
+            self._hits = self._misses = 0
+
+
+def build_arguments(key: Any) -> dict[str, Any]:
+    """The builder's keyword arguments of ``key``: its fields but ``kind``."""
+    arguments = asdict(key)
+    arguments.pop("kind", None)
+    return arguments
 
 
 def _default_builder(**config: Any) -> Any:
@@ -57,36 +96,24 @@ def _default_builder(**config: Any) -> Any:
     return build_gdr_kernel(**config)
 
 
+_forward_kernels = KernelCache(KernelKey, lambda **config: _default_builder(**config))
+
+
 def get_gdr_kernel(*, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
-    """The kernel for ``config`` (the keyword arguments of ``build_gdr_kernel``), built once.
+    """The forward kernel for ``config`` (the keyword arguments of ``build_gdr_kernel``), built once.
 
     Args:
         builder: factory used on a miss; defaults to ``build_gdr_kernel``.
         config: fields of :class:`KernelKey`.
     """
-    global _hits, _misses
-    key = KernelKey(**config)
-    with _lock:
-        kernel = _kernels.get(key)
-        if kernel is not None:
-            _hits += 1
-            return kernel
-        kernel = (builder or _default_builder)(**asdict(key))
-        _kernels[key] = kernel
-        _misses += 1
-        return kernel
+    return _forward_kernels.get(builder, **config)
 
 
 def cache_info() -> CacheInfo:
-    """Hits, misses (= kernels built) and the keys held."""
-    with _lock:
-        return CacheInfo(hits=_hits, misses=_misses, keys=tuple(_kernels))
+    """Hits, misses (= kernels built) and the keys held, forward kernels."""
+    return _forward_kernels.info()
 
 
 def cache_clear() -> None:
-    """Drop every cached kernel and reset the statistics."""
-    global _hits, _misses
-    with _lock:
-        _kernels.clear()
-        _hits = 0
-        _misses = 0
+    """Drop every cached forward kernel and reset the statistics."""
+    _forward_kernels.clear()

@@ -322,10 +322,10 @@ def test_cost_model_report_parsing() -> None:
     assert figures == dict(total_cycles=323707, tasks=361, cube_pipe_pct=2.6, vector_pipe_pct=1.06)
 
 
-def test_cost_model_backward_says_not_available(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
+    """``--backward`` builds the backward kernel with the forward's kernel chunk size."""
     script = _cost_model_script()
-    if script.BACKWARD_LAUNCH is not None:
-        pytest.skip("the backward kernel exists")
-    with pytest.raises(SystemExit):
-        script.main(["--lens", "256", "--backward"])
-    assert "not available yet" in capsys.readouterr().err
+    workload = script.Workload(lens=(40, 9), heads=1, v_heads=2, head_k_dim=64, head_v_dim=64)
+    kernel, args = script.BACKWARD_LAUNCH(workload)
+    assert kernel is not None and all(isinstance(a, torch.Tensor) for a in args)
+    assert any(a.shape == (3,) for a in args)  # act_seq_len of two sequences

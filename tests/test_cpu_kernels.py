@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import warnings
 
 import pytest
 import torch

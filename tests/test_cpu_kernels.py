@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import warnings
 
 import pytest
 import torch
@@ -60,9 +59,21 @@ def _cast(inputs: dict, dtype: torch.dtype) -> dict:
             for n, t in inputs.items()}
 
 
-@pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
+def _force_stages(monkeypatch, stages: int) -> None:
+    from torch_gdr.ops.cpu import kernels
+
+    monkeypatch.setattr(kernels, "STAGES", stages)
+
+
+# (l2norm, stages): each switch both ways, in two runs per case rather than four.
+FORWARD_VARIANTS = {"raw,segmented": (False, 2), "l2norm,fused": (True, 1)}
+
+
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
-def test_forward_matches_recurrence_and_torch_path(case: str, l2norm: bool, stages: int) -> None:
+def test_forward_matches_recurrence_and_torch_path(case: str, variant: str, monkeypatch) -> None:
+    l2norm, stages = FORWARD_VARIANTS[variant]
+    _force_stages(monkeypatch, stages)
     ref = _forward_inputs(case, l2norm)
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**ref, use_qk_l2norm_in_kernel=l2norm)
     x = _cast(ref, torch.float32)
@@ -98,9 +109,15 @@ def _kernel_grads(case: Case, data: dict, save_states: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("save_states", [True, False], ids=["saved_states", "recomputed"])
+# (save_states, stages): saved states with fused stages, recomputed ones with segments.
+BACKWARD_VARIANTS = {"saved_states,fused": (True, 1), "recomputed,segmented": (False, 2)}
+
+
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
 @pytest.mark.parametrize("name", list(BACKWARD_CASES))
-def test_grads_match_recurrence(name: str, save_states: bool, stages: int) -> None:
+def test_grads_match_recurrence(name: str, variant: str, monkeypatch) -> None:
+    save_states, stages = BACKWARD_VARIANTS[variant]
+    _force_stages(monkeypatch, stages)
     case = BACKWARD_CASES[name]
     data = make_inputs(case, torch.float32)
     ref = reference_grads(case, data)

@@ -247,7 +247,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
           const float br = t.beta[r];
 #pragma omp simd
           for (int64_t j = 0; j < V; ++j) dvr[j] *= br;
-          store_row(dvr, dv + idx * V, V);
+          stream_row(dvr, dv + idx * V, V);
         }
       }
       // dq: the scale; then the l2norm backward for both.
@@ -259,8 +259,8 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
       }
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t idx = (t0 + r) * H + hk;
-        store_row(dq_acc + r * K, dq + idx * K, K);
-        store_row(dk_acc + r * K, dk + idx * K, K);
+        stream_row(dq_acc + r * K, dq + idx * K, K);
+        stream_row(dk_acc + r * K, dk + idx * K, K);
       }
   };
 
@@ -280,6 +280,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
         }
         gradients(scratch, n, c, hk, item_for);
       }
+      stream_fence();
     });
     return;
   }
@@ -305,6 +306,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
       const int64_t hk = i % H, slot = i / H, a = slot % nact, c = seg.c0 + slot / nact;
       const int64_t n = seg.active[a];
       if (c < p.num_chunks(n)) gradients(scratch, n, c, hk, [&](int64_t h) { return item_at(slot, h); });
+      stream_fence();
     });
   }
 }

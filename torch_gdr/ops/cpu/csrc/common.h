@@ -7,6 +7,10 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -57,6 +61,22 @@ inline void store_row(const float* src, T* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
 }
+
+// Output rows no one reads back soon: written past the caches where the CPU and the
+// alignment allow (no read for ownership of the lines), else stored as usual. Call
+// stream_fence() before the thread's writes must be visible (the end of a parallel region).
+template <typename T>
+inline void stream_row(const float* src, T* dst, int64_t n) { store_row(src, dst, n); }
+#if defined(__AVX512F__)
+template <>
+inline void stream_row<float>(const float* src, float* dst, int64_t n) {
+  if (reinterpret_cast<uintptr_t>(dst) % 64 != 0 || n % 16 != 0) return store_row(src, dst, n);
+  for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+}
+inline void stream_fence() { _mm_sfence(); }
+#else
+inline void stream_fence() {}
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;

@@ -180,7 +180,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
       const float nan = std::numeric_limits<float>::quiet_NaN();
       for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
       const int64_t t0 = p.bos[n] + c * C;
-      for (int64_t r = 0; r < rows; ++r) store_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
+      for (int64_t r = 0; r < rows; ++r) stream_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
     } else {
       gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
     }
@@ -200,6 +200,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
         prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
         scan_step(it, n, c, h);
       }
+      stream_fence();
     });
     return;
   }
@@ -221,6 +222,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
       const int64_t h = i % HV, a = i / HV, n = seg.active[a];
       const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
       for (int64_t c = seg.c0; c < c_end; ++c) scan_step(item_at((c - seg.c0) * nact + a, h), n, c, h);
+      stream_fence();
     });
   }
 }

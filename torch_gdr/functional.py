@@ -8,6 +8,7 @@ import torch
 
 from torch_gdr._validate import check_inputs
 from torch_gdr.dispatch.backends import run_forward
+from torch_gdr.ops.cpu import kernels as cpu_kernels
 from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent_reference
 
@@ -136,8 +137,9 @@ def fused_recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule one token at a time, for decoding and short inputs, with the
     signature of ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta``
-    by name with fla >= 0.6 habits). On CUDA tensors that need no gradient it runs fla's
-    fused-recurrent kernel where fla-core imports; everywhere else the pure-torch step
+    by name with fla >= 0.6 habits). Where no gradient is needed it runs a fused kernel: fla's
+    fused-recurrent kernel on CUDA tensors where fla-core imports, the fused C++ step on CPU
+    tensors (float32/16, bfloat16, q and v of one dtype); everywhere else the pure-torch step
     (:func:`torch_gdr.ref.fused_recurrent.fused_recurrent_gated_delta_rule`, differentiable).
     Arguments and results as :func:`chunk_gated_delta_rule`'s (g None: no decay; beta None:
     ones)."""
@@ -146,22 +148,32 @@ def fused_recurrent_gated_delta_rule(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     kwargs = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first)
-    if (isinstance(q, torch.Tensor) and q.device.type == "cuda" and g is not None and beta is not None
-            and fla.fused_recurrent_unavailable_reason(q, v, needs_backward=needs_grad) is None):
-        return _fla_fused_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and g is not None and beta is not None \
+            and not needs_grad:
+        if q.device.type == "cuda" and fla.fused_recurrent_unavailable_reason(q, v, needs_backward=False) is None:
+            return _fused_step(fla.fla_fused_recurrent_fwd, q, k, v, g, beta, scale, initial_state,
+                               output_final_state, **kwargs)
+        if (q.device.type == "cpu" and q.dtype == v.dtype and v.dtype in cpu_kernels.KERNEL_DTYPES
+                and cpu_kernels.available()):
+            return _fused_step(_cpu_step, q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
     return _fused_recurrent_reference(q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
 
 
-def _fla_fused_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, *, use_qk_l2norm_in_kernel,
-                         cu_seqlens, state_v_first):
-    """fla's fused-recurrent kernel on a checked call in any public layout."""
+def _cpu_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    del output_final_state  # the kernel always writes it
+    return cpu_kernels.recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _fused_step(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, *, use_qk_l2norm_in_kernel,
+                cu_seqlens, state_v_first):
+    """A fused per-token kernel (fla's on CUDA, ours on the CPU) on a checked call in any
+    public layout; ``kernel`` takes the canonical layout and returns ``(o, final_state)``."""
     from torch_gdr._layout import canonical_call
-    from torch_gdr.ops import fla
 
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, 16, state_v_first)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, 16,
                           state_v_first)
-    o, final_state = fla.fla_fused_recurrent_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale,
-                                                 call.initial_state, True, call.use_qk_l2norm, call.cu_seqlens)
+    o, final_state = kernel(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, True,
+                            call.use_qk_l2norm, call.cu_seqlens)
     o, final_state = call.public_outputs(o, final_state)
     return o, (final_state if output_final_state else None)

@@ -144,7 +144,7 @@ def check_backend(backend: str, device: torch.device, workload: Workload, repeat
         row.note = f"backward failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
         return row
     if backend == "pypto" and device.type == "cpu":
-        row.note = "PyPTO's interpreter on the CPU (a correctness check; backward is pure torch)"
+        row.note = "PyPTO's interpreter on the CPU, forward and backward kernels (a correctness check, slow)"
     return row
 
 

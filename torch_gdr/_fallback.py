@@ -59,6 +59,13 @@ def error_class(backend: str) -> type[BackendError]:
     return _CLASSES.get(backend, (BackendError, FallbackWarning))[0]
 
 
+def failure_reason(what: str, error: BaseException) -> str:
+    """The fallback reason of ``what`` (e.g. "the kernel") failing with ``error``: its type and
+    the first line of its message."""
+    lines = str(error).splitlines()
+    return f"{what} failed: {type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def refuse_or_warn(backend: str, reason: str, *, named: bool, stacklevel: int = 4) -> None:
     """Apply the policy to ``backend`` being unable to serve a call for ``reason``: raise its
     error when it was ``named`` or in strict mode; otherwise warn once per reason and return

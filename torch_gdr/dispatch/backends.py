@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from torch_gdr._device import is_npu_device
-from torch_gdr._fallback import BackendError, error_class, refuse_or_warn, strict_mode
+from torch_gdr._fallback import BackendError, error_class, failure_reason, refuse_or_warn, strict_mode
 from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.ops import fla
 from torch_gdr.ops.fla import op as fla_op
@@ -113,8 +113,7 @@ def run_forward(backend: Optional[str], args: tuple, needs_grad: bool) -> tuple[
             except BackendError:
                 raise
             except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                reason = f"the kernel failed: {type(error).__name__}: {first_line}"
+                reason = failure_reason("the kernel", error)
                 if named or strict_mode():
                     raise error_class(name)(f"backend {name!r} cannot serve this call: {reason}") from error
         refuse_or_warn(name, reason, named=named, stacklevel=5)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr._fallback import refuse_or_warn
+from torch_gdr._fallback import failure_reason, refuse_or_warn
 from torch_gdr._layout import GdrCall
 from torch_gdr._validate import check_inputs
 from torch_gdr.ops._define import define_backend, define_backward_op, run_forward
@@ -33,6 +33,10 @@ from .forward import launch_forward
 from .kernel import kernel_chunk_size
 
 Tensor = torch.Tensor
+
+
+def _token_major(x: Tensor) -> Tensor:
+    return x.flatten(0, 1)
 
 
 def _packed(call: GdrCall) -> tuple[Tensor, int]:
@@ -66,10 +70,6 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
     return o.view(v.shape).to(v.dtype), final_state, chunk_states
 
 
-def _token_major(x: Tensor) -> Tensor:
-    return x.flatten(0, 1)
-
-
 def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
                    chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
     """The PyPTO backward kernel on a call in the canonical layout (B equal-length sequences
@@ -88,13 +88,14 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
             return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
                     d_initial)
         except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
-            first_line = str(error).splitlines()[0] if str(error) else ""
-            reason = f"the backward kernel failed: {type(error).__name__}: {first_line}"
+            reason = failure_reason("the backward kernel", error)
     refuse_or_warn("pypto", reason, named=False)
     return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
 
 
 pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
+
+
 def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
                   use_qk_l2norm: bool) -> list[Optional[int]]:
     """``[C, HV, K, V]``: C, the number of kernel chunks, follows the lengths and the kernel's

@@ -285,3 +285,39 @@ def test_training_hands_the_forward_kernels_chunk_states_to_the_backward(monkeyp
     x = make_inputs(case)
     scale = case.head_k_dim ** -0.5
     assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_a_failing_backward_kernel_follows_the_fallback_policy(monkeypatch, named: bool) -> None:
+    """A named backend's backward raises; the default backend's warns once and returns the
+    pure-torch backward's gradients."""
+    from torch_gdr import _fallback
+    from torch_gdr.dispatch import backends
+    from torch_gdr.ops.pypto import op as pypto_op
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated backward build failure")
+
+    monkeypatch.setattr(pypto_op, "launch_backward", broken)
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
+    monkeypatch.setattr(_fallback, "_warned", set())
+    if not named:
+        monkeypatch.setattr(backends, "default_backend", lambda device: "pypto")
+    case = Case([40], 32, with_initial_state=True)
+    x = make_inputs(case)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    o, _ = torch_gdr.chunk_gated_delta_rule(*leaves, cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=True,
+                                            backend="pypto" if named else None)
+    if named:
+        with pytest.raises(_fallback.PyptoBackendError, match="simulated backward build failure"):
+            o.sum().backward()
+        return
+    with pytest.warns(_fallback.PyptoFallbackWarning, match="simulated backward build failure"):
+        o.sum().backward()
+    reference = [t.detach().clone().requires_grad_() for t in leaves]
+    o_ref, _ = torch_gdr.chunk_gated_delta_rule(*reference, cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=True,
+                                                backend="torch")
+    o_ref.sum().backward()
+    for got, want in zip(leaves, reference):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4)

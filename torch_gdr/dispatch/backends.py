@@ -44,6 +44,7 @@ class Backend(NamedTuple):
     forward_op: Any
     keeps_chunk_states: bool
     unsupported_reason: Optional[Callable[[tuple, bool], Optional[str]]] = None
+    named_forward_op: Any = None  # where a named backend's backward must raise rather than fall back
 
 
 def _pypto_reason(args: tuple, needs_grad: bool) -> Optional[str]:
@@ -58,7 +59,7 @@ def _fla_reason(args: tuple, needs_grad: bool) -> Optional[str]:
 BACKENDS: dict[str, Backend] = {
     "torch": Backend(registration.torch_chunked_fwd, True),
     "recurrent": Backend(registration.recurrent_fwd, False),
-    "pypto": Backend(pypto_op.pypto_fwd, True, _pypto_reason),
+    "pypto": Backend(pypto_op.pypto_fwd, True, _pypto_reason, pypto_op.pypto_named_fwd),
     "fla": Backend(fla_op.fla_fwd, True, _fla_reason),
 }
 FALLBACK_BACKEND = "torch"
@@ -107,8 +108,10 @@ def run_forward(backend: Optional[str], args: tuple, needs_grad: bool) -> tuple[
     if chosen.unsupported_reason is not None:
         reason = chosen.unsupported_reason(args, needs_grad)
         if reason is None:
+            forward_op = chosen.named_forward_op if named and chosen.named_forward_op is not None else \
+                chosen.forward_op
             try:
-                o, final_state, _ = chosen.forward_op(*args, needs_grad and chosen.keeps_chunk_states)
+                o, final_state, _ = forward_op(*args, needs_grad and chosen.keeps_chunk_states)
                 return o, final_state
             except BackendError:
                 raise

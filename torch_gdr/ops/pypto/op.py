@@ -71,11 +71,12 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
 
 
 def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
-                   chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+                   chunk_states: Optional[Tensor], named: bool = False) -> tuple[Optional[Tensor], ...]:
     """The PyPTO backward kernel on a call in the canonical layout (B equal-length sequences
     packed as varlen, the kernel's chunk size as the forward's). Where it cannot serve the
     call (a configuration the forward ran on, but a kernel that fails to build or run), the
-    pure-torch backward on the same device, with one warning per reason."""
+    fallback policy: with the backend ``named`` (or strict mode) a ``PyptoBackendError``, else
+    the pure-torch backward on the same device, with one warning per reason."""
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     cu_seqlens, chunk_size = _packed(call)
     reason = spec.unsupported_reason(q, v, call.chunk_size)
@@ -89,8 +90,13 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
                     d_initial)
         except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
             reason = failure_reason("the backward kernel", error)
-    refuse_or_warn("pypto", reason, named=False)
+    refuse_or_warn("pypto", reason, named=named)
     return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
+
+
+def _named_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
+                    chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    return pypto_backward(call, grad_o, grad_final_state, chunk_states, named=True)
 
 
 pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
@@ -104,6 +110,10 @@ def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size
 
 
 pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd, _states_shape)
+# The same forward for a backend the caller named: its backward raises where the default's
+# falls back (picking between the two ops is how the policy reaches the backward).
+pypto_named_bwd = define_backward_op("gdr::_pypto_named_bwd", _named_backward)
+pypto_named_fwd = define_backend("pypto_named", pypto_forward, pypto_named_bwd, _states_shape)
 
 
 def _npu_public_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

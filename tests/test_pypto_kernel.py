@@ -24,7 +24,7 @@ from torch_gdr.ops.pypto import is_pypto_available
 if not is_pypto_available():
     pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
 
-from torch_gdr.ops.pypto import kernel_cache, spec  # noqa: E402
+from torch_gdr.ops.pypto import kernel_cache  # noqa: E402
 from torch_gdr.ops.pypto import interpreter  # noqa: E402
 from torch_gdr.ops.pypto.forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd  # noqa: E402
 from torch_gdr.ops.pypto.kernel import kernel_chunk_size  # noqa: E402
@@ -255,16 +255,6 @@ def test_kernel_built_once_per_key() -> None:
     assert sorted(key.num_seqs for key in info.keys) == [1, 2]
     kernel_cache.cache_clear()
     assert kernel_cache.cache_info() == kernel_cache.CacheInfo(0, 0, ())
-
-
-@pytest.mark.parametrize(
-    ("max_seqlen", "requested", "expected"),
-    [(17, 64, 32), (32, 128, 32), (33, 128, 64), (100, 128, 128), (300, 64, 64), (300, 128, 128), (0, 64, 32),
-     (17, 32, 32)],
-)
-def test_pick_chunk_size_takes_the_shortest_chunk_holding_the_longest_sequence(
-        max_seqlen: int, requested: int, expected: int) -> None:
-    assert spec.pick_chunk_size(max_seqlen, requested) == expected
 
 
 def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:

@@ -34,15 +34,3 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> Opt
     if chunk_size not in CHUNK_SIZES:
         return f"the kernel has chunk sizes {list(CHUNK_SIZES)}, got chunk_size = {chunk_size}"
     return None
-
-
-def pick_chunk_size(max_seqlen: int, requested: int) -> int:
-    """Kernel chunk length for a batch whose longest sequence has ``max_seqlen`` tokens.
-
-    Every chunk length gives the same result up to rounding, so a batch of short
-    sequences takes the shortest kernel chunk that still holds its longest sequence in one
-    chunk, when that is shorter than ``requested``: less padded work, same answer.
-    Otherwise the requested length stands.
-    """
-    covering = next((size for size in CHUNK_SIZES if size >= max_seqlen), requested)
-    return min(requested, covering)

@@ -173,10 +173,6 @@ def chunk_states_torch(
 # --------------------------------------------------------------------------- host entry
 
 
-def _default_kernel_getter() -> KernelGetter:
-    return get_gdr_bwd_kernel
-
-
 def _l2norm_with_rnorm(x: Tensor) -> tuple[Tensor, Tensor]:
     rnorm = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
     return x * rnorm, rnorm
@@ -304,7 +300,7 @@ def launch_backward(
         chunk_states = chunk_states_torch(k32, v, g, beta, cu_seqlens, initial_state, chunk_size)
 
     on_device = device.type == "npu"
-    getter = kernel_getter if kernel_getter is not None else _default_kernel_getter()
+    getter = kernel_getter if kernel_getter is not None else get_gdr_bwd_kernel
     kernel = getter(
         num_seqs=num_seqs,
         num_qk_heads=num_qk_heads,
@@ -335,12 +331,7 @@ def launch_backward(
         _augmented(grad_final_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
         *(t.view(num_tokens, -1) if t.dim() == 3 else t for t in outputs[:5]), outputs[5],
     ]
-    if on_device:
-        kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
-    else:
-        if device.type != "cpu":
-            raise ValueError(f"the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
-        interpreter.run_kernel(kernel, args, list(_OUTPUT_ARGS))
+    interpreter.launch(kernel, args, list(_OUTPUT_ARGS))
     _count_launch()
     dq_heads, dk_heads, dv, dg, dbeta, d_initial = outputs
 

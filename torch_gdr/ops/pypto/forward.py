@@ -171,9 +171,5 @@ def launch_forward(
     empty = lengths == 0
     if initial_state is not None and bool(empty.any()):
         state_out[empty.to(device)] = initial_state[empty.to(initial_state.device)].to(state_out)
-    if on_device:
-        kernel(*args)  # run mode NPU: pypto launches on the current NPU stream
-    else:
-        outputs = [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else [])
-        interpreter.run_kernel(kernel, args, outputs)
+    interpreter.launch(kernel, args, [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else []))
     return o, state_out, chunk_states

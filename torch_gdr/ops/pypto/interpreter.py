@@ -187,3 +187,16 @@ def run_kernel(
             raise RuntimeError("the PyPTO interpreter produced no verify folder")
         for i in output_indices:
             _read_dump(runs[-1], i, tensors[i])
+
+
+def launch(kernel: Any, tensors: Sequence[torch.Tensor], output_indices: Sequence[int]) -> None:
+    """Run ``kernel`` on its tensor arguments where they live: on an Ascend NPU pypto launches
+    it on the current stream (run mode NPU); on the CPU it runs through the interpreter
+    (:func:`run_kernel`), filling the outputs in place. Other devices raise ``ValueError``."""
+    device_type = tensors[0].device.type
+    if device_type == "npu":
+        kernel(*tensors)
+    elif device_type == "cpu":
+        run_kernel(kernel, tensors, output_indices)
+    else:
+        raise ValueError(f"the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device_type!r}")

@@ -62,6 +62,11 @@ intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequent
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 
+pypto merges vector operations into one task only along a dependency chain; independent
+ones (say ``I + N^2`` and ``I + N^4``) become tasks of their own, each paying the
+scheduler's cost. Where several such terms are needed at once, the kernel computes them
+as one chain (see :func:`_unit_plus`).
+
 Tile shapes fit an Ascend 910B core: cube L0 tiles of 128 x 128 (fp32: 64 KiB per operand
 in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 fp32
 (64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
@@ -216,9 +221,8 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     n2 = pypto.matmul(n1, n1, fp32)
     n4 = pypto.matmul(n2, n2, fp32)
     n8 = pypto.matmul(n4, n4, fp32)
-    d_inv = pypto.matmul(
-        pypto.matmul(eye - n1, eye + n2, fp32), pypto.matmul(eye + n4, eye + n8, fp32), fp32
-    )
+    f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
+    d_inv = pypto.matmul(pypto.matmul(eye - n1, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
     y = pypto.matmul(d_inv, rhs, fp32)
     levels = num_block_levels(chunk_size)
     if levels == 0:
@@ -227,10 +231,23 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     powers = [g1]
     for _ in range(levels - 1):
         powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
-    factors = [eye - g1] + [eye + p for p in powers[1:]]
+    factors = _unit_plus([g1 * -1.0] + powers[1:], eye)
     for factor in reversed(factors):
         y = pypto.matmul(factor, y, fp32)
     return y
+
+
+def _unit_plus(terms: list, eye: Any) -> list:
+    """``[I + t for t in terms]`` for strictly lower ``[l, l]`` terms, as one dependency chain.
+
+    Each identity after the first is recovered from the previous result,
+    ``(I + t) - t = I``, exact in floating point because t is zero on the diagonal (and
+    ``x + 0 - x = 0`` off it). The chain makes pypto put every add in one vector task;
+    written independently, each add is a task of its own."""
+    out = [terms[0] + eye]
+    for prev, term in zip(terms, terms[1:]):
+        out.append((out[-1] - prev) + term)
+    return out
 
 
 #: Log decays below this are raised to it inside a chunk: every partial sum holding one is
@@ -404,7 +421,8 @@ def build_gdr_kernel(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
-        pass_options={"vec_nbuffer_setting": {-1: 2}},
+        # Cube subgraphs that load the same operand share a task (the two [S; I] products).
+        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}},
     )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),

@@ -256,14 +256,18 @@ def _unit_plus(terms: list, eye: Any) -> list:
 DECAY_FLOOR = -1.0e4
 
 
-def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
-    """``gamma [l, 1]`` (the within-chunk cumsum of g), ``Gamma [l, l]`` and the decay to the
-    chunk's end ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
+def chunk_exponents(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+    """``gamma [l, 1]`` (the within-chunk cumsum of g), the exponents of Gamma ``[l, l]``
+    (zero on and above the diagonal) and the decay to the chunk's end
+    ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
 
-    The exponents of Gamma are partial sums of g over ``(s, r]`` taken directly, as one
-    matmul of the inclusive lower triangle with ``g_t [t > s]``, never the difference of two
-    cumulative sums: next to a token of g = -1e6 those cancel in float32. The decay to the
-    end is Gamma's last row (transposed)."""
+    The exponents are partial sums of g over ``(s, r]`` taken directly, as one matmul of the
+    inclusive lower triangle with ``g_t [t > s]``, never the difference of two cumulative
+    sums: next to a token of g = -1e6 those cancel in float32. The decay to the end is
+    the exponents' last row (transposed).
+
+    Each consumer takes ``exp`` of the exponents itself (see :func:`_chunk_terms`): a
+    Gamma tensor shared by several consumers would be a vector task of its own."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     lower, strict = masks[MASK_LOWER], masks[MASK_STRICT_LOWER]
@@ -271,9 +275,16 @@ def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
     gamma = pypto.cumsum(g, 0)  # [l, 1]
     terms = pypto.expand_clone(g, [chunk_size, chunk_size]) * strict  # [t, s]: g_t where t > s
     exponent = pypto.matmul(lower, terms, fp32)  # [r, s]: the sum of g over (s, r]
-    decay = pypto.exp(exponent) * lower  # Gamma incl. diagonal
     to_end = pypto.transpose(pypto.view(exponent, [1, chunk_size], [chunk_size - 1, 0]), 0, 1)  # [l, 1]
-    return gamma, decay, pypto.exp(to_end)
+    return gamma, exponent, pypto.exp(to_end)
+
+
+def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+    """``gamma [l, 1]``, ``Gamma [l, l]`` (``exp`` of the partial sums of g, masked to
+    ``r >= s``) and the decay to the chunk's end ``[l, 1]``; see :func:`chunk_exponents`."""
+    pypto = import_pypto()
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+    return gamma, pypto.exp(exponent) * masks[MASK_LOWER], decay_out
 
 
 def _chunk_terms(
@@ -291,15 +302,15 @@ def _chunk_terms(
         k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
     q = q * scale
 
-    gamma, decay, decay_out = chunk_decays(g, masks, chunk_size)
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
     decay_in = pypto.exp(gamma)  # [l, 1]
 
     k_beta = k * beta
-    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]
+    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
     rhs = pypto.concat([k_beta * decay_in * -1.0, v * beta], dim=1)  # [l, K + V]
     wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
-    qk = pypto.matmul(q, k, fp32, b_trans=True) * decay  # P, [l, l]
+    qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
     mb = pypto.matmul(k_out, wu, fp32, a_trans=True) + eye_pad_t * chunk_decay  # [K, K + V]

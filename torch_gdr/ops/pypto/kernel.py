@@ -62,6 +62,11 @@ intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequent
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 
+pypto merges vector operations into one task only along a dependency chain; independent
+ones (say ``I + N^2`` and ``I + N^4``) become tasks of their own, each paying the
+scheduler's cost. Where several such terms are needed at once, the kernel computes them
+as one chain (see :func:`_unit_plus`).
+
 Tile shapes fit an Ascend 910B core: cube L0 tiles of 128 x 128 (fp32: 64 KiB per operand
 in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 fp32
 (64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
@@ -216,9 +221,8 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     n2 = pypto.matmul(n1, n1, fp32)
     n4 = pypto.matmul(n2, n2, fp32)
     n8 = pypto.matmul(n4, n4, fp32)
-    d_inv = pypto.matmul(
-        pypto.matmul(eye - n1, eye + n2, fp32), pypto.matmul(eye + n4, eye + n8, fp32), fp32
-    )
+    f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
+    d_inv = pypto.matmul(pypto.matmul(eye - n1, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
     y = pypto.matmul(d_inv, rhs, fp32)
     levels = num_block_levels(chunk_size)
     if levels == 0:
@@ -227,10 +231,23 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     powers = [g1]
     for _ in range(levels - 1):
         powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
-    factors = [eye - g1] + [eye + p for p in powers[1:]]
+    factors = _unit_plus([g1 * -1.0] + powers[1:], eye)
     for factor in reversed(factors):
         y = pypto.matmul(factor, y, fp32)
     return y
+
+
+def _unit_plus(terms: list, eye: Any) -> list:
+    """``[I + t for t in terms]`` for strictly lower ``[l, l]`` terms, as one dependency chain.
+
+    Each identity after the first is recovered from the previous result,
+    ``(I + t) - t = I``, exact in floating point because t is zero on the diagonal (and
+    ``x + 0 - x = 0`` off it). The chain makes pypto put every add in one vector task;
+    written independently, each add is a task of its own."""
+    out = [terms[0] + eye]
+    for prev, term in zip(terms, terms[1:]):
+        out.append((out[-1] - prev) + term)
+    return out
 
 
 #: Log decays below this are raised to it inside a chunk: every partial sum holding one is
@@ -239,14 +256,18 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
 DECAY_FLOOR = -1.0e4
 
 
-def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
-    """``gamma [l, 1]`` (the within-chunk cumsum of g), ``Gamma [l, l]`` and the decay to the
-    chunk's end ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
+def chunk_exponents(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+    """``gamma [l, 1]`` (the within-chunk cumsum of g), the exponents of Gamma ``[l, l]``
+    (zero on and above the diagonal) and the decay to the chunk's end
+    ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
 
-    The exponents of Gamma are partial sums of g over ``(s, r]`` taken directly, as one
-    matmul of the inclusive lower triangle with ``g_t [t > s]``, never the difference of two
-    cumulative sums: next to a token of g = -1e6 those cancel in float32. The decay to the
-    end is Gamma's last row (transposed)."""
+    The exponents are partial sums of g over ``(s, r]`` taken directly, as one matmul of the
+    inclusive lower triangle with ``g_t [t > s]``, never the difference of two cumulative
+    sums: next to a token of g = -1e6 those cancel in float32. The decay to the end is
+    the exponents' last row (transposed).
+
+    Each consumer takes ``exp`` of the exponents itself (see :func:`_chunk_terms`): a
+    Gamma tensor shared by several consumers would be a vector task of its own."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     lower, strict = masks[MASK_LOWER], masks[MASK_STRICT_LOWER]
@@ -254,9 +275,16 @@ def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
     gamma = pypto.cumsum(g, 0)  # [l, 1]
     terms = pypto.expand_clone(g, [chunk_size, chunk_size]) * strict  # [t, s]: g_t where t > s
     exponent = pypto.matmul(lower, terms, fp32)  # [r, s]: the sum of g over (s, r]
-    decay = pypto.exp(exponent) * lower  # Gamma incl. diagonal
     to_end = pypto.transpose(pypto.view(exponent, [1, chunk_size], [chunk_size - 1, 0]), 0, 1)  # [l, 1]
-    return gamma, decay, pypto.exp(to_end)
+    return gamma, exponent, pypto.exp(to_end)
+
+
+def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+    """``gamma [l, 1]``, ``Gamma [l, l]`` (``exp`` of the partial sums of g, masked to
+    ``r >= s``) and the decay to the chunk's end ``[l, 1]``; see :func:`chunk_exponents`."""
+    pypto = import_pypto()
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+    return gamma, pypto.exp(exponent) * masks[MASK_LOWER], decay_out
 
 
 def _chunk_terms(
@@ -274,15 +302,15 @@ def _chunk_terms(
         k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
     q = q * scale
 
-    gamma, decay, decay_out = chunk_decays(g, masks, chunk_size)
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
     decay_in = pypto.exp(gamma)  # [l, 1]
 
     k_beta = k * beta
-    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * decay * masks[MASK_STRICT_LOWER]
+    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
     rhs = pypto.concat([k_beta * decay_in * -1.0, v * beta], dim=1)  # [l, K + V]
     wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
-    qk = pypto.matmul(q, k, fp32, b_trans=True) * decay  # P, [l, l]
+    qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
     mb = pypto.matmul(k_out, wu, fp32, a_trans=True) + eye_pad_t * chunk_decay  # [K, K + V]
@@ -404,7 +432,8 @@ def build_gdr_kernel(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
-        pass_options={"vec_nbuffer_setting": {-1: 2}},
+        # Cube subgraphs that load the same operand share a task (the two [S; I] products).
+        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}},
     )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),

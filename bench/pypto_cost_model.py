@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout thi
 from torch_gdr.ops.pypto._env import cache_dir, import_pypto, redirected_output
 from torch_gdr.ops.pypto.backward import build_bwd_for_cost_model
 from torch_gdr.ops.pypto.forward import chunk_offsets
-from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size
+from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size, \
+    time_windows
 
 CYCLES_PER_US = 1800.0
 #: ``make bench-npu``: (label, lengths). H=2, HV=4, K=V=128, l2norm and initial state on.
@@ -91,11 +92,14 @@ class Workload:
 
 
 #: ``launch(workload) -> (kernel, args)``: a kernel built in SIM run mode and its arguments.
-Launch = Callable[[Workload], tuple[Any, list[torch.Tensor]]]
+#: ``launch(w) -> (kernel, launches)``: the kernel and the arguments of each of its launches
+#: for one call (a forward over long sequences is several launches, see ``time_windows``).
+Launch = Callable[[Workload], tuple[Any, list[list[torch.Tensor]]]]
 
 
-def forward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
-    """The forward kernel for ``w`` and its arguments (random inputs, realistic gates)."""
+def forward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
+    """The forward kernel for ``w`` and its launches' arguments (random inputs, realistic
+    gates; each window's launch starts from the initial state: the cost does not depend on it)."""
     gen = torch.Generator().manual_seed(0)
     t, n = w.tokens, len(w.lens)
     dtype = getattr(torch, w.dtype)
@@ -116,18 +120,22 @@ def forward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
     )
     chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
                     else torch.zeros(1, 1))
-    args = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim),
-            augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
+    launches = []
+    for window in time_windows(cu_seqlens, chunk):
+        launches.append([
+            q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), window, chunk_masks(chunk),
+            eye_pad(w.head_k_dim, w.head_v_dim), augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
             torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
-            chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states]
-    return kernel, args
+            chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states])
+    return kernel, launches
 
 
-def backward_launch(w: Workload) -> tuple[Any, list[torch.Tensor]]:
-    """The backward kernel for ``w`` (the forward's kernel chunk size) and its arguments."""
-    return build_bwd_for_cost_model(list(w.lens), heads=w.heads, v_heads=w.v_heads, head_k_dim=w.head_k_dim,
+def backward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
+    """The backward kernel for ``w`` (the forward's kernel chunk size) and its arguments (one launch)."""
+    kernel, args = build_bwd_for_cost_model(list(w.lens), heads=w.heads, v_heads=w.v_heads, head_k_dim=w.head_k_dim,
                                     head_v_dim=w.head_v_dim, chunk_size=w.kernel_chunk(),
                                     has_initial_state=w.initial_state)
+    return kernel, [args]
 
 
 #: The backward kernel's launch: same contract as :func:`forward_launch`.
@@ -188,28 +196,45 @@ def core_busy_shares(swim_json: Path) -> dict[str, float]:
 
 
 def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> dict[str, Any]:
-    """Compile ``launch(w)`` in stock SIM mode with its output under ``out``; return the figures."""
+    """Compile ``launch(w)`` in stock SIM mode with its output under ``out``; return the figures.
+
+    A call of several launches sums their cycles and tasks (launches on one stream run one
+    after another; the host's cost per launch is not modelled) and weights the busy shares
+    by each launch's cycles."""
     import_pypto()
     out.mkdir(parents=True, exist_ok=True)
-    kernel, args = launch(w)
+    kernel, launches = launch(w)
     t0 = time.perf_counter()
-    with redirected_output(out), output_redirected_to(out / "pypto_stdout.log"):
-        kernel(*args)
+    per_launch = []
+    for args in launches:
+        seen = set(out.rglob("_simulate.stat.report.txt"))
+        with redirected_output(out), output_redirected_to(out / "pypto_stdout.log"):
+            kernel(*args)
+        reports = sorted(set(out.rglob("_simulate.stat.report.txt")) - seen, key=lambda p: p.stat().st_mtime)
+        if not reports:
+            raise RuntimeError(f"the cost model wrote no _simulate.stat.report.txt under {out}")
+        figures = parse_report(reports[-1].read_text())
+        swim = reports[-1].parent / "_simulate.swim.json"
+        figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
+        figures["report"] = str(reports[-1])
+        per_launch.append(figures)
     seconds = time.perf_counter() - t0
-    reports = sorted(out.rglob("_simulate.stat.report.txt"), key=lambda p: p.stat().st_mtime)
-    if not reports:
-        raise RuntimeError(f"the cost model wrote no _simulate.stat.report.txt under {out}")
-    figures = parse_report(reports[-1].read_text())
-    swim = reports[-1].parent / "_simulate.swim.json"
-    figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
-    cycles = figures["total_cycles"]
+    cycles = sum(f["total_cycles"] for f in per_launch)
+
+    def weighted(key: str) -> float | None:
+        if any(f[key] is None for f in per_launch):
+            return None
+        return round(sum(f[key] * f["total_cycles"] for f in per_launch) / max(cycles, 1), 2)
+
+    tasks = None if any(f["tasks"] is None for f in per_launch) else int(sum(f["tasks"] for f in per_launch))
     result = dict(
         workload=asdict(w), tokens=w.tokens, chunk_size=w.kernel_chunk(), total_cycles=cycles,
         us=round(cycles / CYCLES_PER_US, 1), cycles_per_token=round(cycles / max(w.tokens, 1), 1),
-        tasks=None if figures["tasks"] is None else int(figures["tasks"]),
-        cube_busy_pct=figures["cube_busy_pct"], vector_busy_pct=figures["vector_busy_pct"],
-        cube_pipe_pct=figures["cube_pipe_pct"], vector_pipe_pct=figures["vector_pipe_pct"],
-        report=str(reports[-1]), compile_and_model_s=round(seconds, 1),
+        tasks=tasks, launches=len(per_launch),
+        cube_busy_pct=weighted("cube_busy_pct"), vector_busy_pct=weighted("vector_busy_pct"),
+        cube_pipe_pct=weighted("cube_pipe_pct"), vector_pipe_pct=weighted("vector_pipe_pct"),
+        report=per_launch[-1]["report"], reports=[f["report"] for f in per_launch],
+        compile_and_model_s=round(seconds, 1),
     )
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -219,7 +244,7 @@ def format_result(label: str, r: dict[str, Any]) -> str:
     return (f"{label}: {r['total_cycles']:,} cycles, {r['us']:,} us, {r['cycles_per_token']} cycles/token, "
             f"{r['tasks']} tasks, cores busy: cube {r['cube_busy_pct']}%, vector {r['vector_busy_pct']}% "
             f"(pipes: cube {r['cube_pipe_pct']}%, vector {r['vector_pipe_pct']}%), "
-            f"chunk {r['chunk_size']} ({r['compile_and_model_s']} s)")
+            f"chunk {r['chunk_size']}, {r.get('launches', 1)} launch(es) ({r['compile_and_model_s']} s)")
 
 
 def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:

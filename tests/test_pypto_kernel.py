@@ -26,6 +26,7 @@ if not is_pypto_available():
 
 from torch_gdr.ops.pypto import kernel_cache  # noqa: E402
 from torch_gdr.ops.pypto import interpreter  # noqa: E402
+from torch_gdr.ops.pypto import kernel as pypto_kernel  # noqa: E402
 from torch_gdr.ops.pypto.forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd  # noqa: E402
 from torch_gdr.ops.pypto.kernel import kernel_chunk_size  # noqa: E402
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
@@ -150,10 +151,15 @@ def reference_chunk_states(inputs: dict, chunk_size: int, *, scale: float, use_q
     return torch.stack(states)
 
 
+@pytest.mark.parametrize("window_chunks", [None, 1], ids=["one_launch", "a_launch_per_chunk"])
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["initial_state", "zero_state"])
-def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_state: bool) -> None:
+def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_state: bool, window_chunks: int | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Lengths 150 (two chunks of 128, one short), 0 (no rows) and 128 (exactly one chunk); GVA;
-    bf16 inputs. Row ``chunk_offsets[n] + c`` holds the state entering chunk c of sequence n."""
+    bf16 inputs. Row ``chunk_offsets[n] + c`` holds the state entering chunk c of sequence n.
+    With ``window_chunks=1`` the call runs as two launches, the host carrying the states."""
+    if window_chunks is not None:
+        monkeypatch.setattr(pypto_kernel, "WINDOW_CHUNKS", window_chunks)
     inputs = make_inputs([150, 0, 128], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
                          with_initial_state=with_initial_state)
     inputs = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
@@ -193,6 +199,24 @@ def test_kernel_chunk_size(max_seqlen: int, num_seqs: int, num_v_heads: int, exp
     for head_k_dim, head_v_dim in ((128, 128), (64, 128)):
         got = kernel_chunk_size(head_k_dim, head_v_dim, max_seqlen, num_seqs=num_seqs, num_v_heads=num_v_heads)
         assert got == expected
+
+
+@pytest.mark.parametrize(
+    "lens, chunk_size, window_chunks, expected",
+    [
+        ([4096], 128, 16, [[0, 16], [16, 16]]),
+        ([300, 0, 100], 64, 2, [[0, 2, 0, 2], [2, 2, 0, 0], [4, 1, 0, 0]]),
+        ([0, 0], 64, 16, [[0, 0, 0]]),
+        ([64], 64, 16, [[0, 1]]),
+    ],
+    ids=["two_windows", "varlen_tail_window", "all_empty", "one_chunk"],
+)
+def test_time_windows(lens: list[int], chunk_size: int, window_chunks: int, expected: list[list[int]]) -> None:
+    """Launch j runs chunks [j W, (j + 1) W) of each sequence: ``[c0, count_0, ...]``."""
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    windows = pypto_kernel.time_windows(cu_seqlens, chunk_size, window_chunks)
+    assert [w.tolist() for w in windows] == expected
+    assert all(w.dtype == torch.int32 for w in windows)
 
 
 def test_kernel_chunk_size_rejects_unsupported_head_dims() -> None:
@@ -316,6 +340,8 @@ def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
     """``--backward`` builds the backward kernel with the forward's kernel chunk size."""
     script = _cost_model_script()
     workload = script.Workload(lens=(40, 9), heads=1, v_heads=2, head_k_dim=64, head_v_dim=64)
-    kernel, args = script.BACKWARD_LAUNCH(workload)
-    assert kernel is not None and all(isinstance(a, torch.Tensor) for a in args)
+    kernel, launches = script.BACKWARD_LAUNCH(workload)
+    assert kernel is not None and len(launches) == 1
+    args = launches[0]
+    assert all(isinstance(a, torch.Tensor) for a in args)
     assert any(a.shape == (3,) for a in args)  # act_seq_len of two sequences

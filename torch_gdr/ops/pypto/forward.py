@@ -15,7 +15,8 @@ import torch
 from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
-from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size
+from . import kernel as _kernel
+from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size, time_windows
 from .kernel_cache import get_gdr_kernel
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
@@ -23,7 +24,7 @@ from .kernel_cache import get_gdr_kernel
 KernelGetter = Callable[..., Any]
 
 # Positions of the outputs among the kernel's tensor arguments.
-_O_ARG, _STATE_OUT_ARG, _CHUNK_STATES_ARG = 10, 11, 12
+_O_ARG, _STATE_OUT_ARG, _CHUNK_STATES_ARG = 11, 12, 13
 
 _KERNEL_INPUT_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -155,21 +156,27 @@ def launch_forward(
     def fp32(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=torch.float32).contiguous()
 
-    args = [
+    inputs = [
         q.reshape(num_tokens, -1).contiguous(), k.reshape(num_tokens, -1).contiguous(),
         v.reshape(num_tokens, -1).contiguous(), fp32(g), fp32(beta),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         offsets.to(dtype=torch.int32).contiguous(),
-        chunk_masks(kernel_chunk).to(device),
-        eye_pad(head_k_dim, head_v_dim).to(device),
-        augmented_state(initial_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
-        o.view(num_tokens, -1), state_out.view(-1, head_v_dim),
-        chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
     ]
-    # The kernel writes the final state of every sequence it runs a chunk of; an empty
-    # sequence keeps its initial state (zeros without one).
-    empty = lengths == 0
-    if initial_state is not None and bool(empty.any()):
-        state_out[empty.to(device)] = initial_state[empty.to(initial_state.device)].to(state_out)
-    interpreter.launch(kernel, args, [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else []))
+    constants = [chunk_masks(kernel_chunk).to(device), eye_pad(head_k_dim, head_v_dim).to(device)]
+    # The state carried from window to window; an empty sequence keeps its initial state.
+    if initial_state is not None:
+        state_out.copy_(initial_state)
+    windows = time_windows(cu_seqlens, kernel_chunk, _kernel.WINDOW_CHUNKS)
+    for window in windows:
+        leaving = torch.zeros_like(state_out)
+        args = [
+            *inputs, window.to(device), *constants,
+            augmented_state(state_out, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
+            o.view(num_tokens, -1), leaving.view(-1, head_v_dim),
+            chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
+        ]
+        interpreter.launch(kernel, args,
+                           [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else []))
+        ran = (window[1:] > 0).to(device)
+        state_out[ran] = leaving[ran]
     return o, state_out, chunk_states

@@ -17,13 +17,21 @@ beta             ``[T, HV]`` fp32           delta-rule write strength
 act_seq_len      ``[N + 1]`` int32          cumulative sequence offsets, last one == T
 chunk_offsets    ``[N + 1]`` int32          exclusive cumsum of ``ceil(len_n / l)``: row of
                                             sequence n's first chunk in ``chunk_states``
+window           ``[N + 1]`` int32          the launch's chunks: ``window[0]`` is the
+                                            first chunk c0, ``window[1 + n]`` how many of
+                                            sequence n's chunks from c0 on it runs; see
+                                            :func:`time_windows`
 masks            ``[M * l, l]`` fp32        constant masks, see :func:`chunk_masks`
 eye_pad          ``[K, K + V]`` fp32        constant ``[I_K | 0]``, see :func:`eye_pad`
-state_in         ``[N*HV*(K+V), V]`` fp32   ``[S0; I_V]`` per sequence and head, key-first
-                                            S0; see :func:`augmented_state`. Scratch: the
-                                            kernel carries its state in it, in place
-o                ``[T, HV * V]`` fp32       output
-state_out        ``[N*HV*K, V]`` fp32       final state ``[N, HV, K, V]``, key-first
+state_in         ``[N*HV*(K+V), V]`` fp32   ``[S; I_V]`` per sequence and head, key-first
+                                            S the state entering the window (the initial
+                                            state for the first); see
+                                            :func:`augmented_state`. Scratch: the kernel
+                                            carries its state in it, in place
+o                ``[T, HV * V]`` fp32       output (the window's rows)
+state_out        ``[N*HV*K, V]`` fp32       the state leaving the window ``[N, HV, K, V]``,
+                                            key-first (rows of sequences with no chunk in
+                                            the window are not written)
 chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, HV, K, V]``,
                                             key-first, row ``chunk_offsets[n] + c`` for
                                             chunk c of sequence n (``[1, 1]`` and never
@@ -56,7 +64,15 @@ two short products of power factors (16 x 16 diagonal blocks, then the block lev
 
 A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
 (zero k, v, beta and g leave the result exact) and only its valid rows are written back
-with ``assemble``. The sequence x value-head loop is one flat loop (independent work,
+with ``assemble``. The last chunk of a window takes the same path (a no-op for a full
+chunk) and writes the state leaving the window.
+
+Long sequences run as several launches over consecutive windows of at most
+:data:`WINDOW_CHUNKS` chunks, the host carrying the state from one to the next
+(:func:`time_windows`): pypto submits loop bodies a stitch window
+(``stitch_function_max_num``) at a time, so within one launch the chunks of a long
+sequence's first head would fill a submission on their own and the heads' serial chains
+would run one after another; a window keeps every head's chain in flight together. The sequence x value-head loop is one flat loop (independent work,
 overlapped by the cost model through data dependencies; ``parallel=True`` documents
 intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequential.
 Two nested loops only: three nested sequential loops with a heavy body recycle
@@ -138,6 +154,37 @@ def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_
         return covering
     bodies_at_64 = num_seqs * num_v_heads * -(-max_seqlen // 64)
     return 64 if bodies_at_64 <= SMALL_LAUNCH_BODIES else 128
+
+
+#: Most chunks of one sequence per launch (see :func:`time_windows`). Measured in the cost
+#: model (b=1, H=2, HV=4, K=V=128, chunk 128; bench/RESULTS.md): a launch of 16 chunks a
+#: head runs at 485 cycles a token, one of 32 at 534, one of 128 at 835.
+WINDOW_CHUNKS = 16
+
+
+def time_windows(cu_seqlens: torch.Tensor, chunk_size: int,
+                 window_chunks: int = WINDOW_CHUNKS) -> list[torch.Tensor]:
+    """The kernel's ``window`` input for each launch of a call, in launch order.
+
+    Launch j runs chunks ``[j W, (j + 1) W)`` of every sequence that has them
+    (``W = window_chunks``); a call whose sequences all fit one window is one launch.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` integer cumulative sequence offsets (any device).
+        chunk_size: l, the kernel's chunk length.
+        window_chunks: W, chunks of one sequence per launch.
+
+    Returns:
+        A list of ``[N + 1]`` int32 CPU tensors: ``[c0, count_0, ..., count_{N-1}]``, where
+        ``count_n = clamp(ceil(len_n / l) - c0, 0, W)``.
+    """
+    if chunk_size <= 0 or window_chunks <= 0:
+        raise ValueError(f"chunk_size={chunk_size}, window_chunks={window_chunks}: expected positive values")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+    counts = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
+    most = int(counts.max()) if counts.numel() else 0
+    return [torch.cat([torch.tensor([first]), (counts - first).clamp(0, window_chunks)]).to(torch.int32)
+            for first in range(0, max(most, 1), window_chunks)]
 
 
 def num_block_levels(chunk_size: int) -> int:
@@ -443,6 +490,7 @@ def build_gdr_kernel(
         beta: pypto.Tensor([tokens, num_v_heads], fp32),
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        window: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         masks: pypto.Tensor([n_masks * l, l], fp32),
         eye_pad_in: pypto.Tensor([dk, dk + dv], fp32),
         state_in: pypto.Tensor(state_in_shape, fp32),
@@ -472,10 +520,11 @@ def build_gdr_kernel(
             state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
             inputs = [q, k, v, g, beta, chunk_offsets, mask_tiles, eye_pad_t]
             outputs = [o, state_out, chunk_states]
-            for chunk in pypto.loop((seq_len + l - 1) // l, name="LOOP_CHUNK", idx_name="chunk"):
+            for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
+                chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                if pypto.is_loop_end(chunk):  # the last chunk: maybe short; it writes the final state
+                if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
                     chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True)
                 else:
                     chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False)

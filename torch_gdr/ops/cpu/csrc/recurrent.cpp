@@ -66,10 +66,13 @@ inline void block_generic(const TokenIn& t, const float* src, float* dst, int64_
 }
 
 #if defined(__AVX512F__)
-// The same for a block of 16 * NV columns, its S^T k and S^T q held in registers.
+// The same for a block of 16 * NV columns, its S^T k and S^T q held in registers. `next`
+// (or null): the block to run after this one (row stride V), prefetched into L2 row by row
+// during the write; out of place, pass 1 prefetches the destination rows for writing (no
+// read-for-ownership stall in pass 2).
 template <int NV, typename T>
 inline void block_avx512(const TokenIn& t, const float* src, float* dst, int64_t K, int64_t V, float* obuf,
-                         T* out) {
+                         T* out, const float* next) {
   __m512 sk[NV], sq[NV], u[NV];
 #pragma GCC unroll 4
   for (int i = 0; i < NV; ++i) sk[i] = _mm512_setzero_ps(), sq[i] = _mm512_setzero_ps();
@@ -77,6 +80,10 @@ inline void block_avx512(const TokenIn& t, const float* src, float* dst, int64_t
     for (int64_t r = 0; r < K; ++r) {
       const float* row = src + r * V;
       const __m512 kr = _mm512_set1_ps(t.k[r]), qr = _mm512_set1_ps(t.q[r]);
+      if (src != dst) {  // out of place: own the destination row before pass 2 writes it
+#pragma GCC unroll 4
+        for (int i = 0; i < NV; ++i) _mm_prefetch(reinterpret_cast<const char*>(dst + r * V + 16 * i), _MM_HINT_ET0);
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < NV; ++i) {
         const __m512 x = _mm512_loadu_ps(row + 16 * i);
@@ -101,6 +108,10 @@ inline void block_avx512(const TokenIn& t, const float* src, float* dst, int64_t
   for (int64_t r = 0; r < K; ++r) {
     float* row = dst + r * V;
     const __m512 kr = _mm512_set1_ps(t.k[r]);
+    if (next) {  // the next block's row streams into L2 while this one is written
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + r * V + 16 * i), _MM_HINT_T1);
+    }
     if (src) {
       const float* srow = src + r * V;
 #pragma GCC unroll 4
@@ -117,17 +128,17 @@ inline void block_avx512(const TokenIn& t, const float* src, float* dst, int64_t
 // Columns [j0, j0 + w) of one head for one token.
 template <typename T>
 inline void step_block(const TokenIn& t, const float* src, float* dst, int64_t K, int64_t V, int64_t j0, int64_t w,
-                       float* scratch, T* out) {
+                       float* scratch, T* out, const float* next) {
   const float* s = src ? src + j0 : nullptr;
   float* d = dst + j0;
   TokenIn tb = t;
   tb.v = t.v + j0;
 #if defined(__AVX512F__)
   switch (w) {
-    case 64: return block_avx512<4>(tb, s, d, K, V, scratch, out + j0);
-    case 48: return block_avx512<3>(tb, s, d, K, V, scratch, out + j0);
-    case 32: return block_avx512<2>(tb, s, d, K, V, scratch, out + j0);
-    case 16: return block_avx512<1>(tb, s, d, K, V, scratch, out + j0);
+    case 64: return block_avx512<4>(tb, s, d, K, V, scratch, out + j0, next);
+    case 48: return block_avx512<3>(tb, s, d, K, V, scratch, out + j0, next);
+    case 32: return block_avx512<2>(tb, s, d, K, V, scratch, out + j0, next);
+    case 16: return block_avx512<1>(tb, s, d, K, V, scratch, out + j0, next);
     default: break;
   }
 #endif
@@ -177,7 +188,13 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
             const float* s = src;
             for (int64_t c = 0; c < count; ++c) {
               const int64_t tok = p.bos[n] + t0 + c;
-              step_block(in[c], s, dst, K, V, j0, w, block_scratch, o + (tok * HV + h) * V);
+              const float* next = nullptr;  // after the group's last token: the next block read
+              if (c == count - 1) {
+                if (j0 + kBlock < V) next = src ? src + j0 + kBlock : nullptr;
+                else if (initial && i + 1 < p.num_seqs() * HV && t0 + kGroup >= p.len[n])
+                  next = initial + (i + 1) * state_size;
+              }
+              step_block(in[c], s, dst, K, V, j0, w, block_scratch, o + (tok * HV + h) * V, next);
               s = dst;
             }
           }

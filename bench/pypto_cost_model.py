@@ -249,14 +249,14 @@ def format_result(label: str, r: dict[str, Any]) -> str:
 
 def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
     """A markdown table of suite results (None: the run failed)."""
-    lines = ["| input | cycles | µs | cycles/token | tasks | cube busy % | vector busy % | chunk |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| input | cycles | µs | cycles/token | tasks | cube busy % | vector busy % | chunk | launches |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in rows:
         if r is None:
-            lines.append(f"| {label} | failed | | | | | | |")
+            lines.append(f"| {label} | failed | | | | | | | |")
             continue
         lines.append(f"| {label} | {r['total_cycles']:,} | {r['us']:,} | {r['cycles_per_token']} | {r['tasks']} | "
-                     f"{r['cube_busy_pct']} | {r['vector_busy_pct']} | {r['chunk_size']} |")
+                     f"{r['cube_busy_pct']} | {r['vector_busy_pct']} | {r['chunk_size']} | {r.get('launches', 1)} |")
     return "\n".join(lines)
 
 

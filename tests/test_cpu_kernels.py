@@ -89,6 +89,27 @@ def test_forward_matches_recurrence_and_torch_path(case: str, variant: str, monk
     assert rmse_ratio(expected_o, o_step) < FP32_BOUND and rmse_ratio(expected_s, s_step) < FP32_BOUND
 
 
+@pytest.mark.parametrize("chunk_size, kernel_chunk", [(16, 16), (32, 32), (64, 32), (128, 32)])
+def test_forward_without_states_runs_at_most_chunk_32(chunk_size: int, kernel_chunk: int) -> None:
+    """A forward that keeps no chunk states runs at ``min(chunk_size, 32)`` (fewer
+    intra-chunk FLOPs); its result is that of the forward at the caller's chunk, which
+    keeps them, and of the float64 recurrence."""
+    assert cpu.kernel_chunk_size(chunk_size, False) == kernel_chunk
+    assert cpu.kernel_chunk_size(chunk_size, True) == chunk_size
+    ref = make_forward_inputs(seqlens=[130, 1, 169], num_qk_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32,
+                              with_initial_state=True)
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(**ref, use_qk_l2norm_in_kernel=True)
+    x = _cast(ref, torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x.get("initial_state"), True, x.get("cu_seqlens"),
+            chunk_size)
+    o, s, _ = cpu.chunk_fwd(*args, False)
+    o_kept, s_kept, states = cpu.chunk_fwd(*args, True)
+    assert states.shape[0] == sum(-(-n // chunk_size) for n in (130, 1, 169))
+    assert rmse_ratio(expected_o, o) < FP32_BOUND and rmse_ratio(expected_s, s) < FP32_BOUND
+    torch.testing.assert_close(o, o_kept, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(s, s_kept, atol=2e-5, rtol=2e-5)
+
+
 def _kernel_grads(case: Case, data: dict, save_states: bool) -> dict:
     """Gradients of the loss by chunk_fwd + chunk_bwd, in the key-first state layout."""
     t = dict(data["tensors"])
@@ -337,3 +358,19 @@ def test_without_a_compiler_the_torch_path_runs_with_one_warning(tmp_path) -> No
     reason = out.stdout.split("REASON", 1)[1].splitlines()[0]
     assert reason.strip() and reason.strip() != "None"
     assert not any(p.suffix == ".so" for p in (tmp_path / "cache").rglob("*"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subnormals_survive_outside_the_kernels(threads: int) -> None:
+    """The kernels treat subnormals as zero inside their parallel regions only: torch's own
+    work, on the calling thread and on the pool's threads, keeps them afterwards."""
+    x = make_forward_inputs(seq_len=300, num_qk_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32,
+                            dtype=torch.float32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu.chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, True, None, 128, True)
+        tiny = torch.full((1 << 16,), 1e-39)  # a float32 subnormal
+        assert bool(((tiny * 1.0) == tiny).all()) and bool((tiny + 0.0 > 0).all())
+    finally:
+        torch.set_num_threads(previous)

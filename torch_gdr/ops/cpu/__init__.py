@@ -12,6 +12,7 @@ without a working C++ toolchain every entry point runs the pure-torch path, with
 warning.
 """
 
-from torch_gdr.ops.cpu.kernels import available, chunk_bwd, chunk_fwd, recurrent_fwd, unavailable_reason
+from torch_gdr.ops.cpu.kernels import (available, chunk_bwd, chunk_fwd, kernel_chunk_size, recurrent_fwd,
+                                       unavailable_reason)
 
-__all__ = ["available", "chunk_bwd", "chunk_fwd", "recurrent_fwd", "unavailable_reason"]
+__all__ = ["available", "chunk_bwd", "chunk_fwd", "kernel_chunk_size", "recurrent_fwd", "unavailable_reason"]

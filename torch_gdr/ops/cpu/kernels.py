@@ -29,6 +29,13 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: units keep every thread busy, else over segments with the intra-chunk part parallel over
 #: chunks), 1 forces the first, 2 the second. Tests set it to cover both.
 STAGES = 0
+#: The longest chunk the kernels run a forward that keeps no chunk states with (inference).
+#: Its intra-chunk work per token grows with the chunk while the state scan's does not, so
+#: shorter chunks cost less; the result does not depend on the chunk up to rounding. A
+#: forward that keeps its states (training) runs at the caller's chunk, whose states the
+#: backward reads (at 32 they would double). Measured on the 2-core AVX-512 VM, (1, 4096, 4,
+#: 128) forward: 13.7 ms at 16, 13.9 at 32, 17.3 at 64, 202 at 128 (bench/RESULTS.md).
+FORWARD_ONLY_CHUNK = 32
 _warned = False
 
 
@@ -94,10 +101,17 @@ def _call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optio
                    chunk_size)
 
 
+def kernel_chunk_size(chunk_size: int, save_states: bool) -> int:
+    """The chunk length the kernels run a forward with: the caller's where the chunk states
+    are kept, else at most :data:`FORWARD_ONLY_CHUNK`."""
+    return int(chunk_size) if save_states else min(int(chunk_size), FORWARD_ONLY_CHUNK)
+
+
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
               save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The chunked forward.
+    """The chunked forward; the kernels run it at :func:`kernel_chunk_size` (the pure-torch
+    fallback at ``chunk_size``).
 
     Returns:
         ``o [B, T, HV, V]`` in v's dtype, the final state ``[N, HV, K, V]`` float32 (float64
@@ -113,7 +127,8 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
                                                 chunk_size), save_states)
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
-                                           bool(use_qk_l2norm), cu, int(chunk_size), bool(save_states), True, STAGES)
+                                           bool(use_qk_l2norm), cu, kernel_chunk_size(chunk_size, save_states),
+                                           bool(save_states), True, STAGES)
     return o, final_state, (states if save_states else None)
 
 

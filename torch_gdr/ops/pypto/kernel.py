@@ -303,15 +303,18 @@ def _unit_plus(terms: list, eye: Any) -> list:
 DECAY_FLOOR = -1.0e4
 
 
-def chunk_exponents(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
+def chunk_exponents(g: Any, masks: Any, chunk_size: int, *, by_matmul: bool = False) -> tuple[Any, Any, Any]:
     """``gamma [l, 1]`` (the within-chunk cumsum of g), the exponents of Gamma ``[l, l]``
     (zero on and above the diagonal) and the decay to the chunk's end
     ``exp(gamma_last - gamma) [l, 1]`` from g ``[l, 1]``.
 
-    The exponents are partial sums of g over ``(s, r]`` taken directly, as one matmul of the
-    inclusive lower triangle with ``g_t [t > s]``, never the difference of two cumulative
-    sums: next to a token of g = -1e6 those cancel in float32. The decay to the end is
-    the exponents' last row (transposed).
+    The exponents are partial sums of g over ``(s, r]`` taken directly, as the cumulative
+    sum down the rows of ``g_t [t > s]``, never the difference of two cumulative sums: next
+    to a token of g = -1e6 those cancel in float32. The sum is a vector cumsum (the chunk's
+    decay work stays one vector task), or with ``by_matmul`` a matmul of the inclusive lower
+    triangle with those terms (the backward kernel's form: its tiling of the cumsum fails
+    in pypto 0.2.0's cost model, FFFFFF). The decay to the end is the exponents' last row
+    (transposed).
 
     Each consumer takes ``exp`` of the exponents itself (see :func:`_chunk_terms`): a
     Gamma tensor shared by several consumers would be a vector task of its own."""
@@ -321,16 +324,20 @@ def chunk_exponents(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]
     g = pypto.maximum(g, DECAY_FLOOR)
     gamma = pypto.cumsum(g, 0)  # [l, 1]
     terms = pypto.expand_clone(g, [chunk_size, chunk_size]) * strict  # [t, s]: g_t where t > s
-    exponent = pypto.matmul(lower, terms, fp32)  # [r, s]: the sum of g over (s, r]
+    if by_matmul:
+        exponent = pypto.matmul(lower, terms, fp32)  # [r, s]: the sum of g over (s, r]
+    else:
+        exponent = pypto.cumsum(terms, 0)
     to_end = pypto.transpose(pypto.view(exponent, [1, chunk_size], [chunk_size - 1, 0]), 0, 1)  # [l, 1]
     return gamma, exponent, pypto.exp(to_end)
 
 
 def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
     """``gamma [l, 1]``, ``Gamma [l, l]`` (``exp`` of the partial sums of g, masked to
-    ``r >= s``) and the decay to the chunk's end ``[l, 1]``; see :func:`chunk_exponents`."""
+    ``r >= s``) and the decay to the chunk's end ``[l, 1]``, as the backward kernel takes
+    them; see :func:`chunk_exponents`."""
     pypto = import_pypto()
-    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size, by_matmul=True)
     return gamma, pypto.exp(exponent) * masks[MASK_LOWER], decay_out
 
 

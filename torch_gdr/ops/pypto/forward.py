@@ -163,6 +163,9 @@ def launch_forward(
         offsets.to(dtype=torch.int32).contiguous(),
     ]
     constants = [chunk_masks(kernel_chunk).to(device), eye_pad(head_k_dim, head_v_dim).to(device)]
+    chunk_states_arg = (chunk_states.view(-1, head_v_dim) if output_chunk_states
+                        else torch.zeros(1, 1, device=device))
+    outputs = [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else [])
     # The state carried from window to window; an empty sequence keeps its initial state.
     if initial_state is not None:
         state_out.copy_(initial_state)
@@ -172,11 +175,9 @@ def launch_forward(
         args = [
             *inputs, window.to(device), *constants,
             augmented_state(state_out, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
-            o.view(num_tokens, -1), leaving.view(-1, head_v_dim),
-            chunk_states.view(-1, head_v_dim) if output_chunk_states else torch.zeros(1, 1, device=device),
+            o.view(num_tokens, -1), leaving.view(-1, head_v_dim), chunk_states_arg,
         ]
-        interpreter.launch(kernel, args,
-                           [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else []))
+        interpreter.launch(kernel, args, outputs)
         ran = (window[1:] > 0).to(device)
         state_out[ran] = leaving[ran]
     return o, state_out, chunk_states

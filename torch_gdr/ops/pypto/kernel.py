@@ -72,9 +72,11 @@ Long sequences run as several launches over consecutive windows of at most
 (:func:`time_windows`): pypto submits loop bodies a stitch window
 (``stitch_function_max_num``) at a time, so within one launch the chunks of a long
 sequence's first head would fill a submission on their own and the heads' serial chains
-would run one after another; a window keeps every head's chain in flight together. The sequence x value-head loop is one flat loop (independent work,
-overlapped by the cost model through data dependencies; ``parallel=True`` documents
-intent, pypto 0.2.0 ignores it); the chunk loop carries the state and is sequential.
+would run one after another; a window keeps every head's chain in flight together.
+
+The sequence x value-head loop is one flat loop (independent work, overlapped by the cost
+model through data dependencies; ``parallel=True`` documents intent, pypto 0.2.0 ignores
+it); the chunk loop carries the state and is sequential.
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 

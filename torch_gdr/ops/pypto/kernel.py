@@ -36,6 +36,9 @@ chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, 
                                             key-first, row ``chunk_offsets[n] + c`` for
                                             chunk c of sequence n (``[1, 1]`` and never
                                             written when ``output_chunk_states`` is False)
+ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`order_scratch`: each chunk's
+                                            reads add it, and its key read writes zeros back,
+                                            so chunk c's reads wait for chunk c - 1's
 ===============  =========================  =================================================
 
 Every tensor is passed two-dimensional (the host's contiguous tensors, viewed flat), so
@@ -51,13 +54,15 @@ own inputs only, so the cost model overlaps it across chunks::
     Y     = Tinv [-(beta exp(gamma)) * K | beta * V]    = [-W | U]          [l, K + V]
     P     = (Q K^T) * Gamma                                                  [l, l]
     KO    = exp(gamma_last - gamma) * K                                      [l, K]
-    MB    = KO^T Y + exp(gamma_last) [I | 0]            = [M | B]            [K, K + V]
-    QO    = P Y + [exp(gamma) * Q | 0]                  = [QE | OI]          [l, K + V]
+    MB    = [KO; exp(gamma_last) I]^T [Y; [I | 0]]      = [M | B]            [K, K + V]
+    QO    = [P | exp(gamma) * Q] [Y; [I | 0]]           = [QE | OI]          [l, K + V]
     S_aug = [S; I_V]                                                         [K + V, V]
     O     = QO S_aug;   S <- MB S_aug
 
 which is the WY form ``V' = U - W S``, ``O = (exp(gamma) Q) S + P V'``,
-``S <- exp(gamma_last) S + KO^T V'`` with the state terms gathered into M and B.
+``S <- exp(gamma_last) S + KO^T V'`` with the state terms gathered into M and B. The
+constant terms ride in the contraction (``[Y; [I | 0]]``, 256 deep) rather than in vector
+adds after the products: four vector tasks a chunk fewer for one copy.
 
 ``Tinv`` is never formed: :func:`_solve_unit_lower` applies it to the right-hand side as
 two short products of power factors (16 x 16 diagonal blocks, then the block level).
@@ -73,6 +78,14 @@ Long sequences run as several launches over consecutive windows of at most
 (``stitch_function_max_num``) at a time, so within one launch the chunks of a long
 sequence's first head would fill a submission on their own and the heads' serial chains
 would run one after another; a window keeps every head's chain in flight together.
+
+Scheduling, as pypto 0.2.0's cost model charges it: an AICPU resolving a finished task
+spends 390 cycles per successor while its cores go unpolled, and it hands out about one
+task per polling round of its twelve cores. So nothing is shared across loop bodies (the
+constant masks are viewed in each chunk: a shared copy with a successor in every body
+stalled its AICPU for tens of thousands of cycles), and the ``ticket`` chain releases a
+sequence's chunks in order, so the first chunk's dependent tasks are not queued behind every
+later chunk's independent ones.
 
 The sequence x value-head loop is one flat loop (independent work, overlapped by the cost
 model through data dependencies; ``parallel=True`` documents intent, pypto 0.2.0 ignores
@@ -228,6 +241,15 @@ def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_hea
     return out.view(-1, head_v_dim)
 
 
+def order_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernel's ``ticket`` scratch, zeros ``[N * HV * l, 128]`` fp32 (it stays zero).
+
+    Each chunk's reads add the pair's block and the key read writes zeros back to it,
+    so the reads of chunk c depend on those of chunk c - 1: a sequence's chunks enter the
+    scheduler's queue in order instead of all at once."""
+    return torch.zeros(num_pairs * chunk_size, 128, device=device)
+
+
 def validate_kernel_config(
     *, num_qk_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int,
     input_dtype: str = "float32",
@@ -280,8 +302,8 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     powers = [g1]
     for _ in range(levels - 1):
         powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
-    factors = _unit_plus([g1 * -1.0] + powers[1:], eye)
-    for factor in reversed(factors):
+    factors = _unit_plus(powers[:0:-1] + [g1 * -1.0], eye)  # the last power first: it is ready last
+    for factor in factors:
         y = pypto.matmul(factor, y, fp32)
     return y
 
@@ -369,9 +391,16 @@ def _chunk_terms(
     qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
-    mb = pypto.matmul(k_out, wu, fp32, a_trans=True) + eye_pad_t * chunk_decay  # [K, K + V]
-    q_pad = pypto.concat([q * decay_in, pypto.full([chunk_size, head_v_dim], 0.0, fp32)], dim=1)
-    qo = pypto.matmul(qk, wu, fp32) + q_pad  # [l, K + V]
+    eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
+    # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (Written into
+    # a scratch input rather than a local tensor, the interpreter reads it before the write.)
+    y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
+    y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
+    y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
+    lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
+    mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
+    lhs_qo = pypto.concat([qk, q * decay_in], dim=1)  # [l, l + K]
+    qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
     return mb, qo
 
 
@@ -431,31 +460,41 @@ def build_gdr_kernel(
     io_rows = min(l, 64)  # reads of the inputs
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
-    def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any) -> Any:
+    def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool) -> Any:
         """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32 ``[l, width]``.
 
-        A strided two-dimensional view (no reshape), brought on chip by one vector op in
-        64-row tiles: the cast for half inputs, a "+ 0.0" copy for fp32. (Consumed directly
-        by the chunk's 128-row work, the view fails in pypto 0.2.0's runtime model.)"""
+        A strided two-dimensional view (no reshape), brought on chip by one vector task in
+        64-row tiles: the cast for half inputs, zero-filled past ``rows`` for a tail, plus
+        ``order`` (zeros written by the previous chunk's read, see the ``ticket`` input).
+        (Consumed directly by the chunk's 128-row work, the view fails in pypto 0.2.0's
+        runtime model.)"""
         pypto.set_vec_tile_shapes(io_rows, 128)
         tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
-        return tile + 0.0 if input_dtype == "float32" else pypto.cast(tile, fp32)
+        x = tile if input_dtype == "float32" else pypto.cast(tile, fp32)
+        if tail:
+            x = pypto.fillpad(x if input_dtype != "float32" else x + 0.0, "constant", 0.0)
+        return x + pypto.view(order, [l, width], [0, 0])
 
-    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any, rows: Any,
+    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, step: Any, start: Any,
+                   rows: Any,
                    tail: bool) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
         Full chunks read their rows as they are; the tail chunk zero-fills past ``rows``
         and also writes the final state. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
         tiles, ``[I | 0]``; ``outputs``: o, state_out, chunk_states."""
-        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, mask_tiles, eye_pad_t = inputs
+        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
         o_out, state_out_out, chunk_states_out = outputs
         pair = seq * num_v_heads + head
         qk_head = head // group
-        q_c = read_rows(q_in, dk, qk_head, start, rows)
-        k_c = read_rows(k_in, dk, qk_head, start, rows)
-        v_c = read_rows(v_in, dv, head, start, rows)
+        q_c = read_rows(q_in, dk, qk_head, start, rows, ticket_in, tail)
+        k_c = read_rows(k_in, dk, qk_head, start, rows, ticket_in, tail)
+        v_c = read_rows(v_in, dv, head, start, rows, ticket_in, tail)
+        pypto.set_vec_tile_shapes(io_rows, 128)
+        ticket_in[0:l, 0:dk] = k_c * 0.0  # zeros again; the next chunk's reads wait for this
         pypto.set_vec_tile_shapes(vec_rows, 128)
+        mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
+        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
         g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
         beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
         if output_chunk_states:
@@ -463,11 +502,9 @@ def build_gdr_kernel(
             pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
                            chunk_states_out)
         if tail:
-            q_c = pypto.fillpad(q_c, "constant", 0.0)
-            k_c = pypto.fillpad(k_c, "constant", 0.0)
-            v_c = pypto.fillpad(v_c, "constant", 0.0)
             g_c = pypto.fillpad(g_c, "constant", 0.0)
             beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        g_c = g_c + pypto.view(ticket_in, [l, 1], [0, 0])  # the decay work waits its turn too
         mb, qo = _chunk_terms(
             q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
@@ -506,16 +543,11 @@ def build_gdr_kernel(
         o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
         chunk_states: pypto.Tensor(chunk_states_shape, fp32),
+        ticket: pypto.Tensor([num_pairs * l, 128], fp32),
     ):
         # L0 tiles 128 x 128 (64 KiB fp32 per operand); L1 holds 256 along K, so the
         # [S; I] products (K + V = 256) load their operands once.
         pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
-        mask_tiles = []
-        for i in range(n_masks):  # unrolled at trace time
-            pypto.set_vec_tile_shapes(io_rows, 128)
-            mask_tiles.append(pypto.view(masks, [l, l], [i * l, 0]))
-        pypto.set_vec_tile_shapes(vec_rows, 128)
-        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
 
         for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
             seq = pair // num_v_heads
@@ -527,15 +559,16 @@ def build_gdr_kernel(
             # pair's own body empty. (Several heads per body, or reading the inputs without
             # the "+ 0.0" copy, fail in pypto 0.2.0's runtime model: F74007.)
             state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
-            inputs = [q, k, v, g, beta, chunk_offsets, mask_tiles, eye_pad_t]
+            ticket_row = pypto.view(ticket, [l, 128], [pair * l, 0])
+            inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
             outputs = [o, state_out, chunk_states]
             for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
                 chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
                 if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True)
+                    chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True)
                 else:
-                    chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False)
+                    chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False)
 
     return gdr_fwd_kernel

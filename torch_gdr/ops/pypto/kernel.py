@@ -37,8 +37,9 @@ chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, 
                                             chunk c of sequence n (``[1, 1]`` and never
                                             written when ``output_chunk_states`` is False)
 ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`order_scratch`: each chunk's
-                                            reads add it, and its key read writes zeros back,
-                                            so chunk c's reads wait for chunk c - 1's
+                                            reads but the window's first add it, and its key
+                                            read writes zeros back, so chunk c's reads wait
+                                            for chunk c - 1's
 ===============  =========================  =================================================
 
 Every tensor is passed two-dimensional (the host's contiguous tensors, viewed flat), so
@@ -69,8 +70,10 @@ two short products of power factors (16 x 16 diagonal blocks, then the block lev
 
 A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
 (zero k, v, beta and g leave the result exact) and only its valid rows are written back
-with ``assemble``. The last chunk of a window takes the same path (a no-op for a full
-chunk) and writes the state leaving the window.
+with ``assemble`` (its output product runs on the valid rows only, so the cube writes
+them directly). The last chunk of a window takes the same path (a no-op for a full
+chunk) and writes the state leaving the window. The window's first chunk is a path of its
+own too (it waits for no ticket): four paths in all.
 
 Long sequences run as several launches over consecutive windows of at most
 :data:`WINDOW_CHUNKS` chunks, the host carrying the state from one to the next
@@ -80,8 +83,9 @@ sequence's first head would fill a submission on their own and the heads' serial
 would run one after another; a window keeps every head's chain in flight together.
 
 Scheduling, as pypto 0.2.0's cost model charges it: an AICPU resolving a finished task
-spends 390 cycles per successor while its cores go unpolled, and it hands out about one
-task per polling round of its twelve cores. So nothing is shared across loop bodies (the
+spends 390 cycles per successor while its cores go unpolled, and it polls its twelve
+cores in turn (240 cycles each), handing a core its next task only when a poll finds it
+done: every task costs a core several thousand idle cycles. So nothing is shared across loop bodies (the
 constant masks are viewed in each chunk: a shared copy with a successor in every body
 stalled its AICPU for tens of thousands of cycles), and the ``ticket`` chain releases a
 sequence's chunks in order, so the first chunk's dependent tasks are not queued behind every
@@ -282,7 +286,9 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
         (I + G)^-1 = (I - G)(I + G^2)(I + G^4)       (l = 128; fewer factors below)
 
     The matmuls of each product run back to back with no vector work between them: a
-    dependency depth of about six tasks, against three per pairwise merge level.
+    dependency depth of about six tasks, against three per pairwise merge level. The
+    factors multiply ``D^-1`` (``[l, l]``, one column tile) and the inverse meets rhs once
+    at the end, rather than each factor multiplying the wider rhs.
     """
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
@@ -294,18 +300,18 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     n8 = pypto.matmul(n4, n4, fp32)
     f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
     d_inv = pypto.matmul(pypto.matmul(eye - n1, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
-    y = pypto.matmul(d_inv, rhs, fp32)
     levels = num_block_levels(chunk_size)
     if levels == 0:
-        return y
+        return pypto.matmul(d_inv, rhs, fp32)
     g1 = pypto.matmul(d_inv, off, fp32)
     powers = [g1]
     for _ in range(levels - 1):
         powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
     factors = _unit_plus(powers[:0:-1] + [g1 * -1.0], eye)  # the last power first: it is ready last
+    inverse = d_inv
     for factor in factors:
-        y = pypto.matmul(factor, y, fp32)
-    return y
+        inverse = pypto.matmul(factor, inverse, fp32)
+    return pypto.matmul(inverse, rhs, fp32)
 
 
 def _unit_plus(terms: list, eye: Any) -> list:
@@ -366,14 +372,14 @@ def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
 
 
 def _chunk_terms(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float, use_qk_l2norm: bool,
-    chunk_size: int, vec_rows: int,
+    q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
+    use_qk_l2norm: bool, chunk_size: int, vec_rows: int,
 ) -> tuple[Any, Any]:
-    """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, v ``[l, V]``,
-    g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``."""
+    """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, ``beta * v``
+    ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
-    head_k_dim, head_v_dim = k.shape[1], v.shape[1]
+    head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
     pypto.set_vec_tile_shapes(vec_rows, 128)
     if use_qk_l2norm:
         q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
@@ -386,7 +392,7 @@ def _chunk_terms(
 
     k_beta = k * beta
     a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
-    rhs = pypto.concat([k_beta * decay_in * -1.0, v * beta], dim=1)  # [l, K + V]
+    rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
     wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
     qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
     k_out = k * decay_out  # [l, K]
@@ -460,62 +466,76 @@ def build_gdr_kernel(
     io_rows = min(l, 64)  # reads of the inputs
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
-    def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool) -> Any:
-        """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32 ``[l, width]``.
+    def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool,
+                  weight: Any = None) -> Any:
+        """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32
+        ``[l, width]``, times ``weight [l, 1]`` if given.
 
         A strided two-dimensional view (no reshape), brought on chip by one vector task in
         64-row tiles: the cast for half inputs, zero-filled past ``rows`` for a tail, plus
-        ``order`` (zeros written by the previous chunk's read, see the ``ticket`` input).
-        (Consumed directly by the chunk's 128-row work, the view fails in pypto 0.2.0's
-        runtime model.)"""
+        ``order`` unless None (zeros written by the previous chunk's read, see the
+        ``ticket`` input). (Consumed directly by the chunk's 128-row work, the view fails in
+        pypto 0.2.0's runtime model.)"""
         pypto.set_vec_tile_shapes(io_rows, 128)
         tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
         x = tile if input_dtype == "float32" else pypto.cast(tile, fp32)
         if tail:
             x = pypto.fillpad(x if input_dtype != "float32" else x + 0.0, "constant", 0.0)
-        return x + pypto.view(order, [l, width], [0, 0])
+        if order is not None:
+            x = x + pypto.view(order, [l, width], [0, 0])
+        elif not tail and input_dtype == "float32":
+            x = x + 0.0
+        return x if weight is None else x * weight
 
     def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, step: Any, start: Any,
                    rows: Any,
-                   tail: bool) -> None:
+                   tail: bool, first: bool) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
-        Full chunks read their rows as they are; the tail chunk zero-fills past ``rows``
-        and also writes the final state. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
+        Full chunks read their rows as they are; the tail chunk (the window's last)
+        zero-fills past ``rows`` and writes its state to ``state_out`` rather than back to
+        ``state``. Every chunk but the window's first (``first``) reads after the previous
+        chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
         tiles, ``[I | 0]``; ``outputs``: o, state_out, chunk_states."""
         q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
         o_out, state_out_out, chunk_states_out = outputs
         pair = seq * num_v_heads + head
         qk_head = head // group
-        q_c = read_rows(q_in, dk, qk_head, start, rows, ticket_in, tail)
-        k_c = read_rows(k_in, dk, qk_head, start, rows, ticket_in, tail)
-        v_c = read_rows(v_in, dv, head, start, rows, ticket_in, tail)
+        order = None if first else ticket_in
+        q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
+        k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
+        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        if tail:
+            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
         ticket_in[0:l, 0:dk] = k_c * 0.0  # zeros again; the next chunk's reads wait for this
         pypto.set_vec_tile_shapes(vec_rows, 128)
         mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
         eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
         g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
         if output_chunk_states:
             entering = pypto.view(state, [dk, dv], [0, 0])
             pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
                            chunk_states_out)
         if tail:
             g_c = pypto.fillpad(g_c, "constant", 0.0)
-            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
-        g_c = g_c + pypto.view(ticket_in, [l, 1], [0, 0])  # the decay work waits its turn too
+        if not first:
+            g_c = g_c + pypto.view(ticket_in, [l, 1], [0, 0])  # the decay work waits its turn too
         mb, qo = _chunk_terms(
-            q_c, k_c, v_c, g_c, beta_c, mask_tiles, eye_pad_t,
+            q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
         )
+        if tail:
+            qo = pypto.view(qo, [l, dk + dv], [0, 0], valid_shape=[rows, dk + dv])
         o_c = pypto.matmul(qo, state, fp32)  # [l, V]
         new_state = pypto.matmul(mb, state, fp32)  # [K, V]
         pypto.set_vec_tile_shapes(vec_rows, 128)
-        state[0:dk, 0:dv] = new_state
+        if not tail:  # the window's last chunk hands its state to state_out instead
+            state[0:dk, 0:dv] = new_state
         pypto.set_vec_tile_shapes(io_rows, 128)
         if tail:
-            pypto.assemble(pypto.view(o_c, [l, dv], [0, 0], valid_shape=[rows, dv]), [start, head * dv], o_out)
+            pypto.assemble(o_c, [start, head * dv], o_out)
             pypto.set_vec_tile_shapes(vec_rows, 128)
             pypto.assemble(new_state, [pair * dk, 0], state_out_out)
         else:
@@ -526,7 +546,10 @@ def build_gdr_kernel(
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
         # Cube subgraphs that load the same operand share a task (the two [S; I] products).
-        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}},
+        # pg_upper_bound (marked deprecated, still read by 0.2.0's partitioner) lifts the cap
+        # on a merged subgraph's size: the solve's chain of matmuls becomes two cube tasks
+        # rather than four (cost model, T=1024: 424k -> 405k cycles, 724 -> 660 tasks).
+        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
     )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
@@ -566,9 +589,15 @@ def build_gdr_kernel(
                 chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                    chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True)
+                if pypto.is_loop_begin(step):
+                    if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
+                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True, True)
+                    else:
+                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False, True)
                 else:
-                    chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False)
+                    if pypto.is_loop_end(step):
+                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True, False)
+                    else:
+                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False, False)
 
     return gdr_fwd_kernel

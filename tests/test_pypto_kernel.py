@@ -345,3 +345,21 @@ def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
     args = launches[0]
     assert all(isinstance(a, torch.Tensor) for a in args)
     assert any(a.shape == (3,) for a in args)  # act_seq_len of two sequences
+
+
+#: The forward's cycle budgets in pypto's cost model (stock SIM, 910B), b=1, H=2, HV=4,
+#: K=V=128, l2norm and initial state on: issue 11's acceptance lines. The model is
+#: deterministic; a change that breaks a budget fails here rather than in the next table.
+FORWARD_CYCLE_BUDGETS = [((256,), 276_000), ((1024,), 450_000), ((256,) * 16, 1_200_000), ((4096,), 1_500_000)]
+
+
+@pytest.mark.slow
+def test_cost_model_cycles_within_budget_and_flat(tmp_path: Path) -> None:
+    script = _cost_model_script()
+    per_token = {}
+    for lens, budget in FORWARD_CYCLE_BUDGETS:
+        result = script.run_cost_model(script.Workload(lens=lens), tmp_path / f"{len(lens)}x{lens[0]}")
+        assert result["total_cycles"] <= budget, f"{len(lens)} x {lens[0]}: {result['total_cycles']:,} > {budget:,}"
+        per_token[lens] = result["cycles_per_token"]
+    ratio = per_token[(1024,)] / per_token[(4096,)]
+    assert 1 / 1.2 <= ratio <= 1.2, f"cycles per token, T=1024 / T=4096: {ratio:.3f}"

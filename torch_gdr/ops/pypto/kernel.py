@@ -107,11 +107,12 @@ in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 
 (64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
 buffer holds 192 KiB).
 
-What bounds it in pypto 0.2.0's cost model: the scheduler's cost per task (several
-thousand cycles between dependent tasks, and between tasks on one core even with ready
-work queued), hence the push for fewer, larger tasks; for a long sequence, the stitch
-window (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` loop bodies per submission; submissions run
-one after another, each ending on a serial chunk chain).
+What bounds it in pypto 0.2.0's cost model (bench/RESULTS.md has the figures): with many
+chunks in flight, the cores' idle time between tasks (a cube core waits about 6k to 10k
+cycles for its next task while ready work queues), hence fewer, larger tasks; a cube task
+is mostly data movement (the cube pipes are busy about 13% of the time). With few
+chunks, the first chunk's chain of about a dozen dependent tasks before the serial state
+products start.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.

@@ -16,7 +16,9 @@ beta              ``[T, HV]`` fp32         delta-rule write strength
 grad_o            ``[T, HV * V]`` fp32     gradient on the output
 act_seq_len       ``[N + 1]`` int32        cumulative sequence offsets, last one == T
 chunk_offsets     ``[N + 1]`` int32        exclusive cumsum of ``ceil(len_n / l)``
-chunk_masks       ``[M, l, l]`` fp32       constant masks, see :func:`bwd_chunk_masks`
+chunk_masks       ``[M * l, l]`` fp32      constant masks, :func:`bwd_chunk_masks` flattened;
+                                           each chunk views them itself (a copy shared by
+                                           every chunk stalls the scheduler resolving it)
 eye               ``[K, K]`` fp32          the identity
 chunk_states      ``[C, HV, K, V]`` fp32   the state ENTERING every chunk, key-first;
                                            sequence n's chunk c at row chunk_offsets[n] + c
@@ -334,7 +336,7 @@ def build_gdr_bwd_kernel(
         grad_o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
         chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
-        masks: pypto.Tensor([n_masks, l, l], fp32),
+        masks: pypto.Tensor([n_masks * l, l], fp32),
         eye: pypto.Tensor([dk, dk], fp32),
         chunk_states: pypto.Tensor([chunks_total, num_v_heads, dk, dv], fp32),
         grad_state_in: pypto.Tensor(d_state_shape, fp32),
@@ -347,12 +349,6 @@ def build_gdr_bwd_kernel(
     ):
         pypto.set_cube_tile_shapes([CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE])
         _set_pass_options(pass_options)
-        mask_tiles = []
-        for i in range(n_masks):  # unrolled at trace time
-            pypto.set_vec_tile_shapes(1, rows_v, 128)
-            mask_tiles.append(pypto.reshape(pypto.view(masks, [1, l, l], [i, 0, 0]), [l, l]))
-        pypto.set_vec_tile_shapes(rows_v, 128)
-        eye_k = pypto.view(eye, [dk, dk], [0, 0])
 
         for seq in pypto.loop(num_seqs, name="LOOP_SEQ", idx_name="seq", parallel=True):
             seq_start = act_seq_len[seq]
@@ -370,6 +366,11 @@ def build_gdr_bwd_kernel(
                 chunk = n_chunks - 1 - step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
+                pypto.set_vec_tile_shapes(rows_v, 128)
+                mask_tiles = []
+                for i in range(n_masks):  # unrolled at trace time
+                    mask_tiles.append(pypto.view(masks, [l, l], [i * l, 0]))
+                eye_k = pypto.view(eye, [dk, dk], [0, 0])
                 if pypto.is_loop_begin(step):  # the sequence's last chunk: possibly a partial tail
                     for head in range(num_v_heads):  # unrolled at trace time
                         _head_chunk(

@@ -50,7 +50,7 @@ from torch_gdr.ops.pypto._env import cache_dir, import_pypto, redirected_output
 from torch_gdr.ops.pypto.backward import build_bwd_for_cost_model
 from torch_gdr.ops.pypto.forward import chunk_offsets
 from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size, \
-    order_scratch, time_windows
+    ticket_scratch, time_windows
 
 CYCLES_PER_US = 1800.0
 #: ``make bench-npu``: (label, lengths). H=2, HV=4, K=V=128, l2norm and initial state on.
@@ -127,7 +127,7 @@ def forward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
             eye_pad(w.head_k_dim, w.head_v_dim), augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
             torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
             chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states,
-            order_scratch(n * w.v_heads, chunk)])
+            ticket_scratch(n * w.v_heads, chunk)])
     return kernel, launches
 
 

@@ -16,7 +16,7 @@ from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
 from . import kernel as _kernel
-from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size, order_scratch, time_windows
+from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size, ticket_scratch, time_windows
 from .kernel_cache import get_gdr_kernel
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
@@ -170,7 +170,7 @@ def launch_forward(
     if initial_state is not None:
         state_out.copy_(initial_state)
     windows = time_windows(cu_seqlens, kernel_chunk, _kernel.WINDOW_CHUNKS)
-    order = order_scratch(num_seqs * num_v_heads, kernel_chunk, device)
+    order = ticket_scratch(num_seqs * num_v_heads, kernel_chunk, device)
     for window in windows:
         leaving = torch.zeros_like(state_out)
         args = [

@@ -26,8 +26,8 @@ eye_pad          ``[K, K + V]`` fp32        constant ``[I_K | 0]``, see :func:`e
 state_in         ``[N*HV*(K+V), V]`` fp32   ``[S; I_V]`` per sequence and head, key-first
                                             S the state entering the window (the initial
                                             state for the first); see
-                                            :func:`augmented_state`. Scratch: the kernel
-                                            carries its state in it, in place
+                                            :func:`augmented_state`. Scratch: its
+                                            contents after a launch are unspecified
 o                ``[T, HV * V]`` fp32       output (the window's rows)
 state_out        ``[N*HV*K, V]`` fp32       the state leaving the window ``[N, HV, K, V]``,
                                             key-first (rows of sequences with no chunk in
@@ -36,7 +36,7 @@ chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, 
                                             key-first, row ``chunk_offsets[n] + c`` for
                                             chunk c of sequence n (``[1, 1]`` and never
                                             written when ``output_chunk_states`` is False)
-ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`order_scratch`: each chunk's
+ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`ticket_scratch`: each chunk's
                                             reads but the window's first add it, and its key
                                             read writes zeros back, so chunk c's reads wait
                                             for chunk c - 1's
@@ -65,8 +65,9 @@ which is the WY form ``V' = U - W S``, ``O = (exp(gamma) Q) S + P V'``,
 constant terms ride in the contraction (``[Y; [I | 0]]``, 256 deep) rather than in vector
 adds after the products: four vector tasks a chunk fewer for one copy.
 
-``Tinv`` is never formed: :func:`_solve_unit_lower` applies it to the right-hand side as
-two short products of power factors (16 x 16 diagonal blocks, then the block level).
+``Tinv`` is formed by matmuls only (:func:`_solve_unit_lower`): two short products of power
+factors (16 x 16 diagonal blocks, then the block level), which then meets the right-hand
+side once.
 
 A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
 (zero k, v, beta and g leave the result exact) and only its valid rows are written back
@@ -85,11 +86,11 @@ would run one after another; a window keeps every head's chain in flight togethe
 Scheduling, as pypto 0.2.0's cost model charges it: an AICPU resolving a finished task
 spends 390 cycles per successor while its cores go unpolled, and it polls its twelve
 cores in turn (240 cycles each), handing a core its next task only when a poll finds it
-done: every task costs a core several thousand idle cycles. So nothing is shared across loop bodies (the
-constant masks are viewed in each chunk: a shared copy with a successor in every body
-stalled its AICPU for tens of thousands of cycles), and the ``ticket`` chain releases a
-sequence's chunks in order, so the first chunk's dependent tasks are not queued behind every
-later chunk's independent ones.
+done: every task costs a core several thousand idle cycles. So nothing is shared across
+loop bodies (the constant masks are viewed in each chunk: a shared copy with a successor
+in every body stalled its AICPU for tens of thousands of cycles), and the ``ticket`` chain
+releases a sequence's chunks in order, so the first chunk's dependent tasks are not
+queued behind every later chunk's independent ones.
 
 The sequence x value-head loop is one flat loop (independent work, overlapped by the cost
 model through data dependencies; ``parallel=True`` documents intent, pypto 0.2.0 ignores
@@ -246,7 +247,7 @@ def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_hea
     return out.view(-1, head_v_dim)
 
 
-def order_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def ticket_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The kernel's ``ticket`` scratch, zeros ``[N * HV * l, 128]`` fp32 (it stays zero).
 
     Each chunk's reads add the pair's block and the key read writes zeros back to it,
@@ -399,8 +400,9 @@ def _chunk_terms(
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
     eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
-    # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (Written into
-    # a scratch input rather than a local tensor, the interpreter reads it before the write.)
+    # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (A scratch
+    # kernel input in its place is faster, but pypto's interpreter then reads it before the
+    # write.)
     y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
     y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
@@ -488,16 +490,16 @@ def build_gdr_kernel(
             x = x + 0.0
         return x if weight is None else x * weight
 
-    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, step: Any, start: Any,
-                   rows: Any,
-                   tail: bool, first: bool) -> None:
+    def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any,
+                   rows: Any, tail: bool, first: bool) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
         Full chunks read their rows as they are; the tail chunk (the window's last)
         zero-fills past ``rows`` and writes its state to ``state_out`` rather than back to
         ``state``. Every chunk but the window's first (``first``) reads after the previous
-        chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g, beta, chunk_offsets, the mask
-        tiles, ``[I | 0]``; ``outputs``: o, state_out, chunk_states."""
+        chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g,
+        beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile; ``outputs``: o,
+        state_out, chunk_states."""
         q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
         o_out, state_out_out, chunk_states_out = outputs
         pair = seq * num_v_heads + head
@@ -579,9 +581,10 @@ def build_gdr_kernel(
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
-            # Updated in place: state_in is the host's scratch copy. No copy here keeps the
-            # pair's own body empty. (Several heads per body, or reading the inputs without
-            # the "+ 0.0" copy, fail in pypto 0.2.0's runtime model: F74007.)
+            # Both views are written in the chunk loop, so pypto copies them into buffers of
+            # the pair's own (the pair body's three copy tasks) and the chunks update those.
+            # (Several heads per body, or reading the inputs without the "+ 0.0" copy, fail in
+            # pypto 0.2.0's runtime model: F74007.)
             state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
             ticket_row = pypto.view(ticket, [l, 128], [pair * l, 0])
             inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
@@ -592,13 +595,13 @@ def build_gdr_kernel(
                 rows = pypto.min(l, seq_len - chunk * l)
                 if pypto.is_loop_begin(step):
                     if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True, True)
+                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True)
                     else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False, True)
+                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True)
                 else:
                     if pypto.is_loop_end(step):
-                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, True, False)
+                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False)
                     else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, step, start, rows, False, False)
+                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False)
 
     return gdr_fwd_kernel

@@ -170,13 +170,13 @@ def launch_forward(
     if initial_state is not None:
         state_out.copy_(initial_state)
     windows = time_windows(cu_seqlens, kernel_chunk, _kernel.WINDOW_CHUNKS)
-    order = ticket_scratch(num_seqs * num_v_heads, kernel_chunk, device)
+    ticket = ticket_scratch(num_seqs * num_v_heads, kernel_chunk, device)
     for window in windows:
         leaving = torch.zeros_like(state_out)
         args = [
             *inputs, window.to(device), *constants,
             augmented_state(state_out, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
-            o.view(num_tokens, -1), leaving.view(-1, head_v_dim), chunk_states_arg, order,
+            o.view(num_tokens, -1), leaving.view(-1, head_v_dim), chunk_states_arg, ticket,
         ]
         interpreter.launch(kernel, args, outputs)
         ran = (window[1:] > 0).to(device)

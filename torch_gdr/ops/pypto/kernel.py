@@ -36,10 +36,10 @@ chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, 
                                             key-first, row ``chunk_offsets[n] + c`` for
                                             chunk c of sequence n (``[1, 1]`` and never
                                             written when ``output_chunk_states`` is False)
-ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`ticket_scratch`: each chunk's
-                                            reads but the window's first add it, and its key
-                                            read writes zeros back, so chunk c's reads wait
-                                            for chunk c - 1's
+ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`ticket_scratch`: every chunk
+                                            but the window's first adds it to its q, k, v
+                                            and g, and its key read writes zeros back, so
+                                            chunk c's reads wait for chunk c - 1's
 ===============  =========================  =================================================
 
 Every tensor is passed two-dimensional (the host's contiguous tensors, viewed flat), so
@@ -62,12 +62,12 @@ own inputs only, so the cost model overlaps it across chunks::
 
 which is the WY form ``V' = U - W S``, ``O = (exp(gamma) Q) S + P V'``,
 ``S <- exp(gamma_last) S + KO^T V'`` with the state terms gathered into M and B. The
-constant terms ride in the contraction (``[Y; [I | 0]]``, 256 deep) rather than in vector
+constant terms ride in the contraction (``[Y; [I | 0]]``, l + K deep) rather than in vector
 adds after the products: four vector tasks a chunk fewer for one copy.
 
-``Tinv`` is formed by matmuls only (:func:`_solve_unit_lower`): two short products of power
-factors (16 x 16 diagonal blocks, then the block level), which then meets the right-hand
-side once.
+``Tinv`` is formed by matmuls and a few vector adds (:func:`_solve_unit_lower`): two short
+products of power factors (16 x 16 diagonal blocks, then the block level), which then
+meets the right-hand side once.
 
 A tail chunk shorter than l is read with ``valid_shape``, zero-filled with ``fillpad``
 (zero k, v, beta and g leave the result exact) and only its valid rows are written back
@@ -178,8 +178,8 @@ def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_
 
 
 #: Most chunks of one sequence per launch (see :func:`time_windows`). Measured in the cost
-#: model (b=1, H=2, HV=4, K=V=128, chunk 128; bench/RESULTS.md): a launch of 16 chunks a
-#: head runs at 485 cycles a token, one of 32 at 534, one of 128 at 835.
+#: model (b=1, H=2, HV=4, K=V=128, chunk 128, T=4096; bench/RESULTS.md): windows of 8, 16
+#: and 32 chunks run at 358, 316 and 371 cycles a token.
 WINDOW_CHUNKS = 16
 
 
@@ -238,7 +238,7 @@ def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_hea
         initial_state: ``[N, HV, K, V]`` key-first, any float dtype, or None for zeros.
 
     Returns:
-        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened); the kernel overwrites it.
+        ``[N * HV * (K + V), V]`` (``[N, HV, K + V, V]`` flattened), scratch to the kernel.
     """
     out = torch.zeros(num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim, device=device)
     if initial_state is not None:
@@ -250,9 +250,11 @@ def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_hea
 def ticket_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The kernel's ``ticket`` scratch, zeros ``[N * HV * l, 128]`` fp32 (it stays zero).
 
-    Each chunk's reads add the pair's block and the key read writes zeros back to it,
-    so the reads of chunk c depend on those of chunk c - 1: a sequence's chunks enter the
-    scheduler's queue in order instead of all at once."""
+    Every chunk but a window's first adds the pair's block to its reads and its key read
+    writes zeros back to it, so the reads of chunk c depend on those of chunk c - 1: a
+    sequence's chunks enter the scheduler's queue in order instead of all at once. (The
+    chunk's g is ordered after its own key read, which is as early.) A non-finite key makes
+    the rest of the pair's tile non-finite, as it does the state."""
     return torch.zeros(num_pairs * chunk_size, 128, device=device)
 
 
@@ -309,7 +311,9 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     powers = [g1]
     for _ in range(levels - 1):
         powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
-    factors = _unit_plus(powers[:0:-1] + [g1 * -1.0], eye)  # the last power first: it is ready last
+    # The last power first: every add then waits for it, and pypto makes them one vector task.
+    # (The factors commute; their order does not change the product.)
+    factors = _unit_plus(powers[:0:-1] + [g1 * -1.0], eye)
     inverse = d_inv
     for factor in factors:
         inverse = pypto.matmul(factor, inverse, fp32)
@@ -494,9 +498,9 @@ def build_gdr_kernel(
                    rows: Any, tail: bool, first: bool) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
-        Full chunks read their rows as they are; the tail chunk (the window's last)
-        zero-fills past ``rows`` and writes its state to ``state_out`` rather than back to
-        ``state``. Every chunk but the window's first (``first``) reads after the previous
+        Full chunks read all l rows; the tail chunk (the window's last) zero-fills past
+        ``rows``, writes only its valid output rows and writes its state to ``state_out``
+        rather than back to ``state``. The values are read already weighted by beta. Every chunk but the window's first (``first``) reads after the previous
         chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g,
         beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile; ``outputs``: o,
         state_out, chunk_states."""
@@ -512,7 +516,10 @@ def build_gdr_kernel(
             beta_c = pypto.fillpad(beta_c, "constant", 0.0)
         v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
-        ticket_in[0:l, 0:dk] = k_c * 0.0  # zeros again; the next chunk's reads wait for this
+        zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
+        if dv > dk:  # every column a later read adds
+            zeros = pypto.concat([zeros] * (dv // dk), dim=1)
+        ticket_in[0:l, 0:max(dk, dv)] = zeros
         pypto.set_vec_tile_shapes(vec_rows, 128)
         mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
         eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
@@ -529,7 +536,8 @@ def build_gdr_kernel(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
         )
-        if tail:
+        if tail:  # the product then has the valid rows only, and the cube writes just those
+            # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)
             qo = pypto.view(qo, [l, dk + dv], [0, 0], valid_shape=[rows, dk + dv])
         o_c = pypto.matmul(qo, state, fp32)  # [l, V]
         new_state = pypto.matmul(mb, state, fp32)  # [K, V]
@@ -537,12 +545,10 @@ def build_gdr_kernel(
         if not tail:  # the window's last chunk hands its state to state_out instead
             state[0:dk, 0:dv] = new_state
         pypto.set_vec_tile_shapes(io_rows, 128)
+        pypto.assemble(o_c, [start, head * dv], o_out)
         if tail:
-            pypto.assemble(o_c, [start, head * dv], o_out)
             pypto.set_vec_tile_shapes(vec_rows, 128)
             pypto.assemble(new_state, [pair * dk, 0], state_out_out)
-        else:
-            pypto.assemble(o_c, [start, head * dv], o_out)
 
     @pypto.frontend.jit(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
@@ -583,8 +589,8 @@ def build_gdr_kernel(
             pypto.set_vec_tile_shapes(vec_rows, 128)
             # Both views are written in the chunk loop, so pypto copies them into buffers of
             # the pair's own (the pair body's three copy tasks) and the chunks update those.
-            # (Several heads per body, or reading the inputs without the "+ 0.0" copy, fail in
-            # pypto 0.2.0's runtime model: F74007.)
+            # (Several heads per body, or reading the inputs without a vector op of their own
+            # (the ticket add, a cast or "+ 0.0"), fail in pypto 0.2.0's runtime model: F74007.)
             state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
             ticket_row = pypto.view(ticket, [l, 128], [pair * l, 0])
             inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]

@@ -16,7 +16,7 @@ beta              ``[T, HV]`` fp32         delta-rule write strength
 grad_o            ``[T, HV * V]`` fp32     gradient on the output
 act_seq_len       ``[N + 1]`` int32        cumulative sequence offsets, last one == T
 chunk_offsets     ``[N + 1]`` int32        exclusive cumsum of ``ceil(len_n / l)``
-chunk_masks       ``[M * l, l]`` fp32      constant masks, :func:`bwd_chunk_masks` flattened;
+chunk_masks       ``[M * l, l]`` fp32      constant masks, see :func:`bwd_chunk_masks`;
                                            each chunk views them itself (a copy shared by
                                            every chunk stalls the scheduler resolving it)
 eye               ``[K, K]`` fp32          the identity
@@ -104,7 +104,8 @@ def num_merge_levels(chunk_size: int) -> int:
 
 
 def bwd_chunk_masks(chunk_size: int) -> torch.Tensor:
-    """The constant masks the kernel reads, ``[4 + merge levels, l, l]`` fp32 of 0/1."""
+    """The constant masks the kernel reads, ``[(4 + merge levels) * l, l]`` fp32 of 0/1: mask i
+    in rows ``[i * l, (i + 1) * l)``."""
     idx = torch.arange(chunk_size)
     row, col = idx[:, None], idx[None, :]
     masks = [row >= col, row > col, row == col, (row > col) & (row // BASE_BLOCK == col // BASE_BLOCK)]
@@ -114,7 +115,7 @@ def bwd_chunk_masks(chunk_size: int) -> torch.Tensor:
         same_block = row // merged == col // merged
         masks.append(same_block & (row // size == col // size + 1) & ((row // size) % 2 == 1))
         size = merged
-    return torch.stack(masks).to(torch.float32)
+    return torch.cat(masks).to(torch.float32)
 
 
 def validate_bwd_kernel_config(

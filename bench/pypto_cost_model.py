@@ -120,14 +120,14 @@ def forward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
     )
     chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
                     else torch.zeros(1, 1))
-    launches = []
-    for window in time_windows(cu_seqlens, chunk):
-        launches.append([
-            q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int(), window, chunk_masks(chunk),
-            eye_pad(w.head_k_dim, w.head_v_dim), augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
-            torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
-            chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states,
-            ticket_scratch(n * w.v_heads, chunk)])
+    inputs = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int()]
+    constants = [chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim)]
+    chunk_states_arg = chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states
+    ticket = ticket_scratch(n * w.v_heads, chunk)
+    launches = [[*inputs, window, *constants, augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
+                 torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
+                 chunk_states_arg, ticket]
+                for window in time_windows(cu_seqlens, chunk)]
     return kernel, launches
 
 

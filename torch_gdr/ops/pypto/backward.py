@@ -31,6 +31,7 @@ from torch_gdr._validate import read_cu_seqlens, check_inputs
 from torch_gdr.ref.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 
 from . import interpreter
+from .kernel import chunk_offsets
 from .kernel_bwd import build_gdr_bwd_kernel, bwd_chunk_masks
 from .kernel_cache import KernelCache
 from .spec import CHUNK_SIZES
@@ -118,9 +119,7 @@ def _count_launch() -> None:
 
 def chunk_offsets_for(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
     """``[N + 1]`` int64 on the CPU: exclusive cumsum of ``ceil(len_n / l)``, then the total."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to("cpu", torch.int64)
-    counts = (lens + chunk_size - 1) // chunk_size
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return chunk_offsets(cu_seqlens.to("cpu"), chunk_size)
 
 
 def chunk_states_torch(

@@ -16,7 +16,8 @@ from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
 from . import kernel as _kernel
-from .kernel import augmented_state, chunk_masks, eye_pad, kernel_chunk_size, ticket_scratch, time_windows
+from .kernel import augmented_state, chunk_masks, chunk_offsets, eye_pad, kernel_chunk_size, ticket_scratch, \
+    time_windows
 from .kernel_cache import get_gdr_kernel
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
@@ -27,25 +28,6 @@ KernelGetter = Callable[..., Any]
 _O_ARG, _STATE_OUT_ARG, _CHUNK_STATES_ARG = 11, 12, 13
 
 _KERNEL_INPUT_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Row of each sequence's first chunk in ``chunk_states``.
-
-    Args:
-        cu_seqlens: ``[N + 1]`` integer cumulative sequence offsets.
-        chunk_size: l, the chunk length the states were computed with.
-
-    Returns:
-        ``[N + 1]`` int64 on the device of ``cu_seqlens``: the exclusive cumsum of
-        ``ceil(len_n / l)``; the last entry is the total chunk count. An empty sequence
-        has no rows.
-    """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    counts = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def pypto_chunk_gated_delta_rule_fwd(

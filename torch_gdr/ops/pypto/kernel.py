@@ -162,7 +162,7 @@ def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_
     sequence fits a shorter chunk (32 or 64), or the launch is small enough that the
     first chunk's latency bounds it (see ``SMALL_LAUNCH_BODIES``), then 64. The result
     does not depend on the chunk length up to rounding; ``chunk_states`` rows do (see
-    :func:`.forward.chunk_offsets`), so a consumer of them must ask with the same
+    :func:`chunk_offsets`), so a consumer of them must ask with the same
     arguments as the forward call: its K, V, longest sequence, sequence count and HV.
     """
     if head_k_dim not in SUPPORTED_HEAD_DIMS or head_v_dim not in SUPPORTED_HEAD_DIMS:
@@ -175,6 +175,25 @@ def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_
         return covering
     bodies_at_64 = num_seqs * num_v_heads * -(-max_seqlen // 64)
     return 64 if bodies_at_64 <= SMALL_LAUNCH_BODIES else 128
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Row of each sequence's first chunk in ``chunk_states``.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` integer cumulative sequence offsets.
+        chunk_size: l, the chunk length the states were computed with.
+
+    Returns:
+        ``[N + 1]`` int64 on the device of ``cu_seqlens``: the exclusive cumsum of
+        ``ceil(len_n / l)``; the last entry is the total chunk count. An empty sequence
+        has no rows.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    counts = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 #: Most chunks of one sequence per launch (see :func:`time_windows`). Measured in the cost
@@ -201,8 +220,7 @@ def time_windows(cu_seqlens: torch.Tensor, chunk_size: int,
     """
     if chunk_size <= 0 or window_chunks <= 0:
         raise ValueError(f"chunk_size={chunk_size}, window_chunks={window_chunks}: expected positive values")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
-    counts = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
+    counts = chunk_offsets(cu_seqlens.cpu(), chunk_size).diff()
     most = int(counts.max()) if counts.numel() else 0
     return [torch.cat([torch.tensor([first]), (counts - first).clamp(0, window_chunks)]).to(torch.int32)
             for first in range(0, max(most, 1), window_chunks)]

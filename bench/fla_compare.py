@@ -46,7 +46,7 @@ def fla_public() -> tuple[Optional[Callable], Optional[Callable], Optional[str]]
 
 def step_function() -> Callable:
     """torch_gdr's public step when the lead has exported it (with its CUDA routing), else the reference."""
-    from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule
+    from torch_gdr.ops.torch.fused_recurrent import fused_recurrent_gated_delta_rule
 
     return getattr(torch_gdr, "fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule)
 
@@ -111,10 +111,10 @@ def check_adapter(device: str, bound: float = 2e-3, seq_lens: tuple = (300, 1, 3
 
 def _default_backend_name(device: str) -> str:
     try:
-        from torch_gdr.dispatch.backends import resolve_backend
+        from torch_gdr.dispatch import resolve_backend
 
         return resolve_backend(None, torch.device(device))
-    except Exception as exc:  # noqa: BLE001 - the dispatch is being restructured; only a label
+    except Exception as exc:  # noqa: BLE001 - only a label
         return f"? ({type(exc).__name__})"
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule
+from torch_gdr.ops.torch.fused_recurrent import fused_recurrent_gated_delta_rule
 
 HEADS, V_HEADS, DIM = 16, 32, 128
 ROUNDS = 41

@@ -63,7 +63,7 @@ def recompute_passes(monkeypatch) -> list:
     states: the pure-torch backward's load_segment calls (``states_only`` marks the recompute
     pass) and the fused CPU kernels' backward calls (recomputing when given no states)."""
     import torch_gdr.ops.cpu.kernels as cpu_kernels
-    import torch_gdr.ref.chunk_backward as chunk_backward
+    import torch_gdr.ops.torch.chunk_backward as chunk_backward
 
     passes = []
     real_load, real_cpu_bwd = chunk_backward.load_segment, cpu_kernels.chunk_bwd

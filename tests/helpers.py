@@ -34,7 +34,7 @@ def canonical(inputs: dict, *, scale: Optional[float] = None, use_qk_l2norm_in_k
 
 def chunked_reference(inputs: dict, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, final_state)`` of the pure-torch chunked forward, called directly (no op)."""
-    from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
+    from torch_gdr.ops.torch.chunk import chunk_gated_delta_rule_fwd
 
     call = canonical(inputs, **options)
     o, final_state, _ = chunk_gated_delta_rule_fwd(call)

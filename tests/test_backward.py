@@ -19,7 +19,7 @@ import torch_gdr
 from tests.helpers import TEST_DEVICE, canonical
 from torch_gdr.testing import make_inputs as _make_inputs
 from torch_gdr.testing import rmse_ratio as _rmse_ratio
-from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -278,8 +278,8 @@ def test_chunk_states_of_another_shape_are_refused() -> None:
     for bad in (states[:-1], states[..., :-1]):
         with pytest.raises(ValueError, match=r"chunk_states: expected shape .* got "
                                              + re.escape(str(list(bad.shape)))):
-            torch.ops.gdr.chunked_gated_delta_rule_backward(torch.ones_like(t["v"]), None, *tensors, None, None,
-                                                            False, cu, case.chunk, False, bad)
+            torch.ops.gdr._torch_bwd(torch.ones_like(t["v"]), None, *tensors, None, None, False, cu, case.chunk,
+                                     False, bad)
 
 
 def test_zero_length_everywhere() -> None:
@@ -315,7 +315,7 @@ def test_segment_sizes_agree(monkeypatch, segment_matrices: int, path: str) -> N
     """The call is processed in segments of chunks (split into groups of sequences where one
     chunk of all of them is too many matrices: sizes 1 and 3 here); any segment size gives
     the same gradients."""
-    import torch_gdr.ref.chunk_layout as chunk_layout
+    import torch_gdr.ops.torch.chunk_layout as chunk_layout
 
     monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", segment_matrices)
     case = Case(seq_len=75, cu_seqlens=(0, 10, 10, 75), heads=1, v_heads=2)

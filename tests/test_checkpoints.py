@@ -8,7 +8,7 @@ import torch
 import torch_gdr
 
 from tests.helpers import make_inputs
-from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
+from torch_gdr.ops.torch.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 CASES = {
@@ -100,7 +100,7 @@ def test_float32_checkpoints_stay_close() -> None:
 def test_bad_checkpoint_every(every, error) -> None:
     inputs = make_inputs(seq_len=32)
     with pytest.raises(error, match="checkpoint_every"):
-        chunk_gated_delta_rule_with_checkpoints(**inputs, checkpoint_every=every, chunk_size=16)
+        torch_gdr.chunk_gated_delta_rule(**inputs, checkpoint_every=every, chunk_size=16)
 
 
 def test_the_public_call_returns_checkpoints_for_inference() -> None:

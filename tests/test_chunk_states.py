@@ -8,9 +8,9 @@ import torch
 
 import torch_gdr
 from tests.helpers import canonical, make_inputs
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
-from torch_gdr.ref.chunk_layout import ChunkLayout
-from torch_gdr.ref.chunk_states import ChunkStates
+from torch_gdr.ops.torch.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ops.torch.chunk_layout import ChunkLayout
+from torch_gdr.ops.torch.chunk_states import ChunkStates
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 
@@ -96,7 +96,7 @@ def test_scratch_stays_bounded_with_many_packed_sequences() -> None:
 
 def test_many_packed_sequences_match_the_recurrence(monkeypatch) -> None:
     """Spans of a few sequences each (segment target 4 matrices, 2 value heads)."""
-    import torch_gdr.ref.chunk_layout as chunk_layout
+    import torch_gdr.ops.torch.chunk_layout as chunk_layout
 
     monkeypatch.setattr(chunk_layout, "SEGMENT_MATRICES", 4)
     inputs = make_inputs(seqlens=[5, 40, 0, 17, 3, 33, 1, 20], num_qk_heads=1, num_v_heads=2, head_k_dim=8,
@@ -107,7 +107,7 @@ def test_many_packed_sequences_match_the_recurrence(monkeypatch) -> None:
 def test_varlen_layouts_are_shared_by_calls_of_one_packing(monkeypatch) -> None:
     """A call's backward and every layer of a model see the same cu_seqlens: they share one
     layout (its segments and gather indices), keyed by everything the layout depends on."""
-    import torch_gdr.ref.chunk_layout as chunk_layout
+    import torch_gdr.ops.torch.chunk_layout as chunk_layout
 
     monkeypatch.setattr(chunk_layout, "_SHARED", type(chunk_layout._SHARED)())
     v = torch.zeros(1, 50, 2, 8)

@@ -17,7 +17,7 @@ import torch_gdr
 from tests.helpers import TEST_DEVICE, make_inputs
 from torch_gdr import _fallback
 from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning
-from torch_gdr.dispatch import backends
+from torch_gdr.dispatch import BACKENDS, CallSpec, registry
 from torch_gdr.ops.pypto import is_pypto_available, kernel_cache, spec
 
 needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not installed")
@@ -40,7 +40,7 @@ def _inputs(**overrides) -> dict:
 @pytest.fixture
 def npu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make CPU tensors take the default backend of an NPU device ("pypto", may fall back)."""
-    monkeypatch.setattr(backends, "default_backend", lambda device: "pypto")
+    monkeypatch.setitem(registry.DEVICE_ORDERS, ("chunk", "cpu"), ("pypto", "torch"))
     monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
     monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
     monkeypatch.setattr(_fallback, "_warned", set())
@@ -136,18 +136,17 @@ def test_strict_mode_turns_fallbacks_into_errors(reason: str, npu_host, monkeypa
         torch_gdr.chunk_gated_delta_rule(**_inputs(**changes))
 
 
-def test_cpu_default_is_torch_and_cuda_rejects_pypto(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_orders_and_pypto_refuses_other_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
-    assert backends.resolve_backend(None, torch.device("cpu")) == "torch"
-    assert backends.default_backend(torch.device("cuda")) == "torch"
+    assert registry.resolve_backend(None, torch.device("cpu")) == "cpu"
+    assert registry.device_order("chunk", torch.device("cpu")) == ("cpu", "torch")
+    assert registry.default_backend(torch.device("cuda")) == "fla"
+    assert registry.device_order("chunk", torch.device("meta")) == ("torch",)
     for npu_type in ("npu", "privateuseone"):
-        assert backends.default_backend(SimpleNamespace(type=npu_type)) == "pypto"
+        assert registry.default_backend(SimpleNamespace(type=npu_type)) == "pypto"
     q = torch.empty(1, 1, 1, 64, device="meta")
-    assert "not on 'meta'" in spec.unsupported_reason(q, q, 64)
-
-
-def test_npu_implementation_is_registered_for_privateuseone() -> None:
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("gdr::chunked_gated_delta_rule", "PrivateUse1")
+    reasons = BACKENDS["pypto"].unsupported_reasons(CallSpec.of("chunk", q, q, 64, False))
+    assert any("not on 'meta'" in r for r in reasons)
 
 
 def test_broken_torch_npu_means_no_npu_and_never_loads_at_import(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ import torch_gdr
 import torch_gdr.ops.fla as fla_backend
 from tests import fla_standin
 from tests.helpers import make_inputs
+from torch_gdr.dispatch import BACKENDS, CallSpec, registry
 from torch_gdr.ops.fla import FlaRefusal
-from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 
@@ -53,7 +53,19 @@ def standin(monkeypatch):
 @pytest.fixture
 def any_device(monkeypatch):
     """Let the CPU pass the device check, to reach the reasons behind it."""
-    monkeypatch.setattr(fla_backend, "FLA_DEVICE_TYPES", ("cpu", "cuda"))
+    import dataclasses
+
+    fla = BACKENDS["fla"]
+    monkeypatch.setattr(fla, "capabilities", dataclasses.replace(fla.capabilities, device_types=("cpu", "cuda")))
+
+
+def fla_reasons(q, k, v, *, entry: str = "chunk", needs_backward: bool = False):
+    """The "fla" backend's reasons for a call, joined, or None when it serves it."""
+    return "; ".join(BACKENDS["fla"].unsupported_reasons(CallSpec.of(entry, q, v, 64, needs_backward))) or None
+
+
+def fused_recurrent_gated_delta_rule(*args, **kwargs):
+    return torch_gdr.fused_recurrent_gated_delta_rule(*args, **kwargs, backend="torch")
 
 
 def _inputs(**kw):
@@ -72,12 +84,12 @@ def _args(x, use_l2norm=True, chunk_size=64):
 # -- fla absent ----------------------------------------------------------------------------
 
 
-def test_absent(no_fla) -> None:
+def test_absent(no_fla, any_device) -> None:
     x = _inputs(seq_len=8)
     assert not fla_backend.available()
-    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
+    reason = fla_reasons(x["q"], x["k"], x["v"])
     assert "fla-core is not installed" in reason and "torch_gdr[gpu]" in reason
-    assert fla_backend.fused_recurrent_unavailable_reason(x["q"], x["v"]) == reason
+    assert fla_reasons(x["q"], x["k"], x["v"], entry="step") == reason
     assert fla_backend.backward_refusal_reason() is None
     with pytest.raises(FlaRefusal, match="not installed") as info:
         fla_backend.fla_chunk_fwd(*_args(x))
@@ -160,38 +172,39 @@ def test_fused_recurrent_maps_onto_fla(standin) -> None:
 def test_available_and_device_reason(standin) -> None:
     x = _inputs(seq_len=4)
     assert fla_backend.available()
-    assert "CUDA tensors, not on 'cpu'" in fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
-    assert "CUDA tensors" in fla_backend.fused_recurrent_unavailable_reason(x["q"], x["v"])
+    assert "cuda tensors, not on 'cpu'" in fla_reasons(x["q"], x["k"], x["v"])
+    assert "cuda tensors" in fla_reasons(x["q"], x["k"], x["v"], entry="step")
 
 
 @pytest.mark.parametrize("version", ["0.5.2", "0.7.0", "1.0.0"])
-def test_untested_version(standin, version) -> None:
+def test_untested_version(standin, any_device, version) -> None:
     standin.version = version
     standin.install()
     x = _inputs(seq_len=4)
-    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"])
+    reason = fla_reasons(x["q"], x["k"], x["v"])
     assert f"fla-core {version} is outside the tested range >=0.6.0,<0.7" in reason
     assert not fla_backend.available()
 
 
-def test_missing_function(standin) -> None:
+def test_missing_function(standin, any_device) -> None:
     standin.install(**{"fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule_bwd": None})
     x = _inputs(seq_len=4)
-    assert "has no fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd" in fla_backend.unavailable_reason(
-        x["q"], x["k"], x["v"])
+    reasons = BACKENDS["fla"].unsupported_reasons(CallSpec.of("chunk", x["q"], x["v"], 64, False))
+    assert "has no fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd" in reasons[0]
+    assert reasons[0].kind == "missing"  # installed but broken: a default warns
 
 
 def test_reasons_behind_the_device_check(standin, any_device) -> None:
     x = _inputs(seq_len=4)
     q, k, v = x["q"], x["k"], x["v"]
-    assert fla_backend.unavailable_reason(q, k, v) is None
-    assert "float64" in fla_backend.unavailable_reason(q.double(), k.double(), v.double())
-    assert "one dtype for q, k and v" in fla_backend.unavailable_reason(q, k, v.half())
-    assert fla_backend.fused_recurrent_unavailable_reason(q, v.half()) is None  # the step takes mixed dtypes
+    assert fla_reasons(q, k, v) is None
+    assert "float64" in fla_reasons(q.double(), k.double(), v.double())
+    assert "one dtype for q, k and v" in fla_reasons(q, k, v.half())
+    assert fla_reasons(q, k, v.half(), entry="step") is None  # the step takes mixed dtypes
     big = torch.zeros(1, 4, 2, 512)
-    assert "K <= 256" in fla_backend.unavailable_reason(big, big, v)
-    assert "T = 0" in fla_backend.unavailable_reason(q[:, :0], k[:, :0], v[:, :0])
-    assert "no backward" in fla_backend.fused_recurrent_unavailable_reason(q, v, needs_backward=True)
+    assert "K <= 256" in fla_reasons(big, big, v)
+    assert "T = 0" in fla_reasons(q[:, :0], k[:, :0], v[:, :0])
+    assert "no backward" in fla_reasons(q, k, v, entry="step", needs_backward=True)
 
 
 @pytest.mark.parametrize("hopper,above_3_4,above_3_7_1,tilelang,refused", [
@@ -207,9 +220,9 @@ def test_predicted_backward_refusal(standin, any_device, monkeypatch, hopper, ab
                        "fla.utils:TRITON_ABOVE_3_7_1": above_3_7_1})
     monkeypatch.setattr(fla_backend, "tilelang_installed", lambda: tilelang)
     x = _inputs(seq_len=4)
-    reason = fla_backend.unavailable_reason(x["q"], x["k"], x["v"], needs_backward=True)
+    reason = fla_reasons(x["q"], x["k"], x["v"], needs_backward=True)
     assert (reason is not None) == refused
-    assert fla_backend.unavailable_reason(x["q"], x["k"], x["v"]) is None  # forward-only calls are served
+    assert fla_reasons(x["q"], x["k"], x["v"]) is None  # forward-only calls are served
     if refused:
         assert "Hopper" in reason and "3.7.1" in reason
 
@@ -301,19 +314,28 @@ def test_fla_backend_ops_through_the_public_call(standin, any_device, use_l2norm
                                                   inputs.get("cu_seqlens"), 16, False, saved))
 
 
-def test_fla_backward_refusal_falls_back_to_the_torch_backward(standin, any_device) -> None:
-    """A refusal that shows only when fla's backward runs: one warning, the pure-torch
-    backward's gradients."""
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_fla_backward_refusal_follows_the_policy(standin, any_device, monkeypatch, named: bool) -> None:
+    """A refusal that shows only when fla's backward runs: a named backend raises; the
+    default warns once and returns the pure-torch backward's gradients."""
     from torch_gdr import _fallback
 
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
+    monkeypatch.setitem(registry.DEVICE_ORDERS, ("chunk", "cpu"), ("fla", "torch"))
     inputs = make_inputs(seq_len=20, num_qk_heads=1, num_v_heads=2, dtype=torch.float32, normalize_qk=True)
     grads = {}
     for backend in ("torch", "fla"):
         leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
-        o, _ = torch_gdr.chunk_gated_delta_rule(**leaves, chunk_size=16, backend=backend)
+        o, _ = torch_gdr.chunk_gated_delta_rule(**leaves, chunk_size=16,
+                                                backend="torch" if backend == "torch" else ("fla" if named else None))
         if backend == "fla":
             standin.backward_error = RuntimeError(fla_standin.HOPPER_MESSAGE)
             _fallback.reset_warnings()
+            if named:
+                with pytest.raises(_fallback.FlaBackendError, match="Hopper"):
+                    o.sum().backward()
+                return
             with pytest.warns(_fallback.FlaFallbackWarning, match="Hopper"):
                 o.sum().backward()
         else:
@@ -324,7 +346,7 @@ def test_fla_backward_refusal_falls_back_to_the_torch_backward(standin, any_devi
 
 
 def test_fla_is_the_default_on_cuda_where_it_imports(standin) -> None:
-    from torch_gdr.dispatch import backends
+    from torch_gdr.dispatch import registry
 
-    assert backends.default_backend(torch.device("cpu")) == "torch"
-    assert backends.default_backend(torch.device("cuda")) == "fla"
+    assert registry.default_backend(torch.device("cpu")) == "cpu"
+    assert registry.default_backend(torch.device("cuda")) == "fla"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def _broken(o_scale: float = 1.0, state_scale: float = 1.0):
         o, final_state, states = real.forward_op(*args)
         return o * o_scale, final_state * state_scale, states
 
-    return real._replace(forward_op=broken)
+    return dataclasses.replace(real, forward_op=broken)
 
 
 def test_agreeing_backends_exit_zero(capsys) -> None:
@@ -46,7 +47,7 @@ def test_a_backend_that_raises_fails_the_run(monkeypatch, capsys) -> None:
         raise RuntimeError("simulated kernel failure")
 
     monkeypatch.setitem(torch_gdr.dispatch.BACKENDS, "recurrent",
-                        torch_gdr.dispatch.BACKENDS["recurrent"]._replace(forward_op=raising))
+                        dataclasses.replace(torch_gdr.dispatch.BACKENDS["recurrent"], forward_op=raising))
     assert main(SMALL) == 1
     assert "simulated kernel failure" in capsys.readouterr().out
 
@@ -54,7 +55,8 @@ def test_a_backend_that_raises_fails_the_run(monkeypatch, capsys) -> None:
 def test_python_dash_m_exits_nonzero_with_a_broken_backend() -> None:
     """The real entry point, in a fresh interpreter: the exit status, not only main's value."""
     code = ("import runpy, sys, torch_gdr.dispatch as d; real = d.BACKENDS['torch']; "
-            "d.BACKENDS['torch'] = real._replace(forward_op=lambda *a: (lambda o, s, c: (o * 1.5, s, c))"
+            "import dataclasses; d.BACKENDS['torch'] = dataclasses.replace(real, forward_op=lambda *a: "
+            "(lambda o, s, c: (o * 1.5, s, c))"
             "(*real.forward_op(*a))); "
             f"sys.argv = ['python -m torch_gdr'] + {SMALL!r}; runpy.run_module('torch_gdr', run_name='__main__')")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")

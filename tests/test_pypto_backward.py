@@ -30,7 +30,7 @@ from torch_gdr.ops.pypto.backward import (  # noqa: E402
     pypto_chunk_gated_delta_rule_bwd,
 )
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
-from torch_gdr.ref.utils import l2norm  # noqa: E402
+from torch_gdr.ops.torch.utils import l2norm  # noqa: E402
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
 
@@ -292,7 +292,7 @@ def test_a_failing_backward_kernel_follows_the_fallback_policy(monkeypatch, name
     """A named backend's backward raises; the default backend's warns once and returns the
     pure-torch backward's gradients."""
     from torch_gdr import _fallback
-    from torch_gdr.dispatch import backends
+    from torch_gdr.dispatch import registry
     from torch_gdr.ops.pypto import op as pypto_op
 
     def broken(*args, **kwargs):
@@ -303,7 +303,7 @@ def test_a_failing_backward_kernel_follows_the_fallback_policy(monkeypatch, name
     monkeypatch.delenv("TORCH_GDR_STRICT", raising=False)
     monkeypatch.setattr(_fallback, "_warned", set())
     if not named:
-        monkeypatch.setattr(backends, "default_backend", lambda device: "pypto")
+        monkeypatch.setitem(registry.DEVICE_ORDERS, ("chunk", "cpu"), ("pypto", "torch"))
     case = Case([40], 32, with_initial_state=True)
     x = make_inputs(case)
     leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]

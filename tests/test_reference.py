@@ -142,7 +142,7 @@ def test_pairwise_decay_is_finite_and_masked(gate: float) -> None:
     """Gamma = exp(gamma_r - gamma_s) on and below the diagonal and exactly 0 above it, even
     where the differences above the diagonal would overflow the exp (30 x 63 under strong
     decay), and with positive log decays (growth) below it."""
-    from torch_gdr.ref.segment import pairwise_decay
+    from torch_gdr.ops.torch.segment import pairwise_decay
 
     g = gate + 0.1 * torch.randn(3, 2, 64, dtype=torch.float64)
     gamma = g.cumsum(-1)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import torch_gdr
-import torch_gdr.ref.chunk_layout as chunk_layout
+import torch_gdr.ops.torch.chunk_layout as chunk_layout
 from tests.helpers import make_inputs
 from torch_gdr.ops.pypto import kernel_cache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_gdr.ref.triangular import unit_lower_inverse
+from torch_gdr.ops.torch.triangular import unit_lower_inverse
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8, 16, 32, 64, 128])

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_gdr
-from torch_gdr.dispatch import BACKENDS
+from torch_gdr.dispatch import BACKENDS, CallSpec
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 #: The PyPTO row's workload: small, since the interpreter runs the kernel op by op.
@@ -165,24 +165,35 @@ def pypto_status() -> str:
 
 
 #: Backends by the devices they run on here (pypto on the CPU through its interpreter).
-CPU_BACKENDS = ("torch", "recurrent", "pypto")
+CPU_BACKENDS = ("cpu", "torch", "recurrent", "pypto")
 CUDA_BACKENDS = ("torch", "recurrent", "fla")
 
 
-def cpu_kernels_status() -> str:
-    """Which kernels the ``"torch"`` backend runs on CPU tensors (building them on first use)."""
-    from torch_gdr.ops import cpu
+def backend_report() -> list[str]:
+    """One line per backend: whether it serves a float32 chunked call on this machine's
+    devices (the CPU, and CUDA where there is one), else every reason it does not."""
+    from torch_gdr.dispatch import CallSpec
 
-    if cpu.available():
-        return "fused C++/OpenMP (float32, float16, bfloat16; float64 runs pure torch)"
-    return f"pure torch ({cpu.unavailable_reason()})"
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    lines = []
+    for name, backend in BACKENDS.items():
+        served, reasons = [], []
+        for device in devices:
+            x = torch.empty(1, 1, 1, 128, device=device)
+            found = backend.unsupported_reasons(CallSpec.of("chunk", x, x, 64, False))
+            (reasons.extend(f"{device}: {r}" for r in found) if found else served.append(device))
+        status = f"serves {', '.join(served)}" if served else "missing here"
+        lines.append(f"  {name:<9} {status}" + (f" ({'; '.join(reasons)})" if reasons and not served else ""))
+    return lines
 
 
 def available_targets(backends: Optional[list[str]], include_pypto: bool = True) -> list[tuple[str, torch.device]]:
     """(backend, device) pairs to check: the CPU's backends (pypto only when
     ``include_pypto``), and with a GPU the CUDA ones (fla where fla-core imports)."""
     names = backends or [name for name in BACKENDS if name != "pypto" or include_pypto]
-    targets = [(name, torch.device("cpu")) for name in names if name in CPU_BACKENDS]
+    cpu_spec = CallSpec.of("chunk", torch.empty(1, 1, 1, 1), torch.empty(1, 1, 1, 1), 64, False)
+    targets = [(name, torch.device("cpu")) for name in names if name in CPU_BACKENDS
+               and (name == "pypto" or (backends is not None) or BACKENDS[name].serves(cpu_spec))]
     if torch.cuda.is_available():
         from torch_gdr.ops import fla
 
@@ -237,7 +248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"against the per-token recurrence in float64 (float32 inputs, initial state, q/k l2norm)")
     if "pypto" in BACKENDS and not include_pypto and (args.backends is None or "pypto" in args.backends):
         say(f"  pypto: {status}")
-    say(f"  CPU kernels of the torch backend: {cpu_kernels_status()}")
+    say("backends on this machine (float32 chunked call):")
+    for line in backend_report():
+        say(line)
 
     workloads: dict[str, Workload] = {}
 

@@ -40,9 +40,23 @@ class FlaFallbackWarning(FallbackWarning):
     """The default backend of a CUDA device fell back from fla's kernels to the pure-torch path."""
 
 
+class CpuBackendError(BackendError):
+    """The ``"cpu"`` backend (the fused C++ kernels) was asked for by name and cannot serve the call."""
+
+
+class CpuFallbackWarning(FallbackWarning):
+    """The default backend of CPU tensors fell back from the fused C++ kernels (not built or
+    not loadable here) to the pure-torch path."""
+
+
+class NoBackendError(BackendError, ValueError):
+    """No backend can serve a call; the message lists every backend's reasons."""
+
+
 _CLASSES: dict[str, tuple[type[BackendError], type[FallbackWarning]]] = {
     "pypto": (PyptoBackendError, PyptoFallbackWarning),
     "fla": (FlaBackendError, FlaFallbackWarning),
+    "cpu": (CpuBackendError, CpuFallbackWarning),
 }
 
 _warned: set[tuple[str, str]] = set()
@@ -66,10 +80,11 @@ def failure_reason(what: str, error: BaseException) -> str:
     return f"{what} failed: {type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def refuse_or_warn(backend: str, reason: str, *, named: bool, stacklevel: int = 4) -> None:
+def refuse_or_warn(backend: str, reason: str, *, named: bool, instead: str = "the pure-torch path",
+                   stacklevel: int = 4) -> None:
     """Apply the policy to ``backend`` being unable to serve a call for ``reason``: raise its
     error when it was ``named`` or in strict mode; otherwise warn once per reason and return
-    (the caller then runs the pure-torch path on the same device)."""
+    (the caller then runs ``instead``, on the same device)."""
     error, warning = _CLASSES.get(backend, (BackendError, FallbackWarning))
     if named or strict_mode():
         raise error(f"backend {backend!r} cannot serve this call: {reason}")
@@ -77,8 +92,8 @@ def refuse_or_warn(backend: str, reason: str, *, named: bool, stacklevel: int = 
         if (backend, reason) in _warned:
             return
         _warned.add((backend, reason))
-    warnings.warn(f"torch_gdr: the {backend} backend cannot serve this call ({reason}); running the pure-torch "
-                  f"chunked path on the same device instead. Set {STRICT_ENV_VAR}=1 to make this an error.",
+    warnings.warn(f"torch_gdr: the {backend} backend cannot serve this call ({reason}); running {instead} on "
+                  f"the same device instead. Set {STRICT_ENV_VAR}=1 to make this an error.",
                   warning, stacklevel=stacklevel)
 
 

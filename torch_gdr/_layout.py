@@ -20,6 +20,15 @@ from torch_gdr._validate import read_cu_seqlens
 Tensor = torch.Tensor
 
 
+#: The epsilon of the in-kernel l2norm of q and k: ``x / sqrt(sum(x**2) + eps)`` (fla's).
+L2NORM_EPS = 1e-6
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation and state dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_scale(head_k_dim: int) -> float:
     """The scale ``None`` stands for: ``K ** -0.5``."""
     return head_k_dim ** -0.5
@@ -74,12 +83,14 @@ class GdrCall:
         """Key-first ``(N, HV, K, V)``."""
         return (self.num_seqs, self.v.shape[2], self.q.shape[-1], self.v.shape[-1])
 
-    def public_outputs(self, o: Tensor, final_state: Tensor) -> tuple[Tensor, Tensor]:
+    def public_outputs(self, o: Tensor, final_state: Tensor, *, may_alias: bool = True) -> tuple[Tensor, Tensor]:
         """``o`` and the final state from the canonical layout into the caller's: contiguous,
-        and never the caller's own initial state tensor (a call in which no token ran)."""
+        and never the caller's own initial state tensor (a call in which no token ran).
+        ``may_alias=False``: the final state is known to be a new tensor (an op's output),
+        which skips the storage check (``torch.compile`` cannot trace it)."""
         if self.token_major:
             o = o.squeeze(0)
-        if self.initial_state is not None and _shares_storage(final_state, self.initial_state):
+        if may_alias and self.initial_state is not None and _shares_storage(final_state, self.initial_state):
             final_state = final_state.clone()
         return o.contiguous(), self.public_state(final_state).contiguous()
 

@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from torch_gdr._validate import check_inputs
-from torch_gdr.dispatch.backends import run_forward
-from torch_gdr.ops.cpu import kernels as cpu_kernels
-from torch_gdr.ref.checkpoints import chunk_gated_delta_rule_with_checkpoints
-from torch_gdr.ref.fused_recurrent import fused_recurrent_gated_delta_rule as _fused_recurrent_reference
+from torch_gdr._layout import canonical_call
+from torch_gdr._validate import CHUNK_SIZES, check_inputs
+from torch_gdr.dispatch.run import needs_grad as _needs_grad
+from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_step
+from torch_gdr.ops._backend import OpArgs
+from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
 if TYPE_CHECKING:
     from torch_gdr.distributed import CPContext
@@ -63,15 +64,18 @@ def chunk_gated_delta_rule(
             result up to rounding.
         state_v_first: states are value-first ``[N, HV, V, K]`` (the layout of vLLM, the
             CANN op and PyPTO) instead of key-first.
-        backend: ``"torch"`` (the chunked pure-torch op), ``"recurrent"`` (the per-token
-            recurrence) or ``"pypto"`` (the PyPTO kernel: on NPUs, or on the CPU through
-            PyPTO's interpreter); None takes ``TORCH_GDR_BACKEND`` or the default for the
-            device (``"pypto"`` on NPUs, with a pure-torch fallback; ``"fla"`` on CUDA where
-            fla-core imports, with a pure-torch fallback; ``"torch"`` elsewhere).
+        backend: ``"cpu"`` (the fused C++ kernels, CPU tensors), ``"torch"`` (the chunked
+            algorithm in pure torch, any device), ``"recurrent"`` (the per-token recurrence),
+            ``"pypto"`` (the PyPTO kernel: on NPUs, or on the CPU through PyPTO's
+            interpreter) or ``"fla"`` (fla-core's kernels, CUDA); None takes
+            ``TORCH_GDR_BACKEND`` or the first backend of the device's order that serves the
+            call (``"cpu"`` on CPU tensors, ``"pypto"`` on NPUs, ``"fla"`` on CUDA, then
+            ``"torch"``; see :mod:`torch_gdr.dispatch.registry`).
         checkpoint_every: for serving (prefix caching, speculative decoding), also return the
             state after every ``checkpoint_every`` tokens of each sequence, a positive multiple
             of ``chunk_size`` (FlashInfer's ``state_checkpoints`` convention, see
-            :mod:`torch_gdr.ref.checkpoints`); inference only (no autograd), pure-torch path.
+            :mod:`torch_gdr.ops.torch.checkpoints`); inference only (no autograd); served by
+            the backends that have checkpoints (``"torch"``); not with ``cp_context``.
         cp_context: context parallelism (:func:`torch_gdr.distributed.build_cp_context`, fla's
             name): the tensors are this rank's slice ``[1, T_local, ...]`` of a packed batch
             split over the context's process group, ``cu_seqlens`` None or the context's local
@@ -90,31 +94,34 @@ def chunk_gated_delta_rule(
         ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend.
         TypeError: non-floating inputs, non-integer ``cu_seqlens`` or chunk size, a scale
             that is not a real number.
-        torch_gdr.dispatch.PyptoBackendError: ``backend="pypto"`` was named and the kernel
-            cannot serve the call (pypto absent, an unsupported head dim, dtype or chunk size).
+        torch_gdr.dispatch.BackendError: the backend named (``backend`` or
+            ``TORCH_GDR_BACKEND``) cannot serve the call (its subclass says which backend:
+            ``PyptoBackendError`` for pypto absent, an unsupported head dim, dtype or chunk
+            size...), or strict mode is on and a default had to fall back.
     """
     if cp_context is not None:
+        if checkpoint_every is not None:
+            raise ValueError(f"checkpoint_every: not available with cp_context (each rank holds a slice of the "
+                             f"sequences), got checkpoint_every={checkpoint_every!r}; call without cp_context")
         from torch_gdr.distributed import context_parallel_chunk_gated_delta_rule
 
         return context_parallel_chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             state_v_first=state_v_first, backend=backend, cp_context=cp_context)
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    if checkpoint_every is not None:
-        if needs_grad:
-            raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
-                             "requires grad)")
-        o, final_state, checkpoints, offsets = chunk_gated_delta_rule_with_checkpoints(
-            q, k, v, g, beta, checkpoint_every, scale, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
-        return o, (final_state if output_final_state else None), checkpoints, offsets
+    grad = _needs_grad(q, k, v, g, beta, initial_state)
+    if checkpoint_every is not None and grad:
+        raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
+                         "requires grad)")
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     scale = None if scale is None else float(scale)
-    o, final_state = run_forward(backend, (q, k, v, g, beta, scale, initial_state, output_final_state,
-                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first),
-                                 needs_grad)
+    args = OpArgs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                  chunk_size, state_v_first)
+    if checkpoint_every is not None:
+        check_checkpoint_every(checkpoint_every, chunk_size)
+        o, final_state, checkpoints, offsets = run_checkpoints(args, checkpoint_every, backend)
+        return o, (final_state if output_final_state else None), checkpoints, offsets
+    o, final_state = run_chunk(args, grad, backend)
     return o, (final_state if output_final_state else None)
 
 
@@ -134,46 +141,41 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     state_v_first: bool = False,
+    backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The gated delta rule one token at a time, for decoding and short inputs, with the
-    signature of ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta``
-    by name with fla >= 0.6 habits). Where no gradient is needed it runs a fused kernel: fla's
-    fused-recurrent kernel on CUDA tensors where fla-core imports, the fused C++ step on CPU
-    tensors (float32/16, bfloat16, q and v of one dtype); everywhere else the pure-torch step
-    (:func:`torch_gdr.ref.fused_recurrent.fused_recurrent_gated_delta_rule`, differentiable).
+    """The gated delta rule one token at a time, for decoding and short inputs, a drop-in for
+    ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta`` by name, as
+    fla 0.6 put ``gk, gv`` before it). No chunk padding; cost grows with T one step at a
+    time (for long inputs use :func:`chunk_gated_delta_rule`).
+
     Arguments and results as :func:`chunk_gated_delta_rule`'s (g None: no decay; beta None:
-    ones)."""
-    from torch_gdr.ops import fla
+    ones; q/k and v may differ in dtype, computed in float32, float64 when q or v is
+    float64). ``backend`` picks the step: ``"cpu"`` (the fused C++ step, CPU tensors of one
+    dtype, inference), ``"torch"`` (plain differentiable torch, any device), ``"recurrent"``
+    (the definition), ``"fla"`` (fla's kernel on CUDA, inference) or ``"pypto"`` (one
+    chunked PyPTO launch); None takes ``TORCH_GDR_BACKEND`` or the device's order (``"cpu"``
+    then ``"torch"`` on CPU tensors, ``"fla"`` then ``"torch"`` on CUDA, ``"torch"``
+    elsewhere), so a call that needs gradients runs ``"torch"``.
 
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    kwargs = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state_v_first=state_v_first)
-    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and g is not None and beta is not None \
-            and not needs_grad:
-        if q.device.type == "cuda" and fla.fused_recurrent_unavailable_reason(q, v, needs_backward=False) is None:
-            return _fused_step(fla.fla_fused_recurrent_fwd, q, k, v, g, beta, scale, initial_state,
-                               output_final_state, **kwargs)
-        if (q.device.type == "cpu" and q.dtype == v.dtype and v.dtype in cpu_kernels.KERNEL_DTYPES
-                and cpu_kernels.available()):
-            return _fused_step(_cpu_step, q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
-    return _fused_recurrent_reference(q, k, v, g, beta, scale, initial_state, output_final_state, **kwargs)
-
-
-def _cpu_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    del output_final_state  # the kernel always writes it
-    return cpu_kernels.recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
-
-
-def _fused_step(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, *, use_qk_l2norm_in_kernel,
-                cu_seqlens, state_v_first):
-    """A fused per-token kernel (fla's on CUDA, ours on the CPU) on a checked call in any
-    public layout; ``kernel`` takes the canonical layout and returns ``(o, final_state)``."""
-    from torch_gdr._layout import canonical_call
-
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, 16, state_v_first)
-    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, 16,
-                          state_v_first)
-    o, final_state = kernel(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, True,
-                            call.use_qk_l2norm, call.cu_seqlens)
-    o, final_state = call.public_outputs(o, final_state)
+    Raises:
+        TypeError: non-tensor or non-floating inputs, q and k of different dtypes,
+            non-integer ``cu_seqlens``.
+        ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values, an unknown backend.
+        torch_gdr.dispatch.BackendError: the backend named cannot serve the call.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    lead = tuple(v.shape[:-1])  # [B, T, HV] or [T, HV]
+    if g is None:
+        g = torch.zeros(lead, dtype=torch.float32, device=v.device)
+    if beta is None:
+        beta = torch.ones(lead, dtype=torch.float32, device=v.device)
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
+    grad = _needs_grad(q, k, v, g, beta, initial_state)
+    call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                          CHUNK_SIZES[0], state_v_first)
+    o, final_state = run_step(call, grad, backend)
+    # every backend's step returns a new final state (an op's output, or the pure-torch step's own)
+    o, final_state = call.public_outputs(o, final_state, may_alias=False)
     return o, (final_state if output_final_state else None)

@@ -25,7 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from torch_gdr import functional as _functional
+from torch_gdr.dispatch.run import needs_grad, run_chunk
+from torch_gdr.ops._backend import OpArgs
 from torch_gdr.distributed.collectives import all_gather_pieces
 from torch_gdr.distributed.context import CPContext
 
@@ -98,9 +99,7 @@ def local_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         elif h0 is None:
             rows = None
         cu_seqlens = torch.tensor(offsets[first:stop + 1], dtype=torch.int64) - lo
-        o, final = _functional.chunk_gated_delta_rule(*xs, scale, rows, True, cu_seqlens=cu_seqlens,
-                                                      state_v_first=False, **op_kwargs)
-        assert final is not None
+        o, final = _local_call(*xs, scale, rows, cu_seqlens, **op_kwargs)
         if with_transition:
             if first == 0 and ctx.head_continues:
                 head_y = o[:, offsets[0]:offsets[1], :, value_dim:]
@@ -111,6 +110,17 @@ def local_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         outputs.append(o)
         finals.append(final.to(state_dtype))
     return LocalPass(torch.cat(outputs, dim=1), torch.cat(finals), head_y, head_transition, tail_piece)
+
+
+def _local_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                scale: Optional[float], initial_state: Optional[torch.Tensor], cu_seqlens: torch.Tensor, *,
+                use_qk_l2norm_in_kernel: bool, chunk_size: int, backend: Optional[str]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One local span through the backend dispatch picks (checked by the caller), with its
+    final state."""
+    args = OpArgs(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                  False)
+    return run_chunk(args, needs_grad(q, k, v, g, beta, initial_state), backend)
 
 
 def check_context(cp_context: object, argument: str = "cp_context") -> CPContext:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_gdr import functional as _functional
-from torch_gdr.dispatch.backends import smallest_chunk_size
+from torch_gdr.dispatch.registry import smallest_chunk_size
 from torch_gdr.nn._checks import check_backend, check_chunk_size
 
 __all__ = ["use_torch_gdr", "remove_torch_gdr", "is_patched"]

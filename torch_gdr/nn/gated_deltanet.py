@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_gdr import functional as _functional
-from torch_gdr.dispatch.backends import BACKEND_ENV_VAR, smallest_chunk_size
+from torch_gdr.dispatch.registry import smallest_chunk_size
 from torch_gdr.nn._checks import check_attention_mask, check_backend, check_chunk_size, check_positive_int
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
@@ -71,11 +70,9 @@ class GatedDeltaNet(nn.Module):
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
         decode_backend: backend of single-token decode steps (``backend`` when None).
         recurrent_max_len: out of training (``layer.eval()``), a call of at most this many
-            tokens per sequence whose backend is not named (``backend``, or ``decode_backend``
-            for a decode step, is None, and ``TORCH_GDR_BACKEND`` is unset) runs the fused-recurrent step
-            (:func:`torch_gdr.ref.fused_recurrent.fused_recurrent_gated_delta_rule`) instead
-            of the chunked op, as fla's layer does: no chunk padding, a few ops a token.
-            0 turns it off.
+            tokens per sequence runs the token-by-token step
+            (:func:`torch_gdr.fused_recurrent_gated_delta_rule`, same backend) instead of the
+            chunked op, as fla's layer does: no chunk padding, a few ops a token. 0 turns it off.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: Optional[int] = None, head_k_dim: int = 128,
@@ -244,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         if cp_context is None and self._use_recurrent_step(seq_len, cu_seqlens, backend):
             o, recurrent_state = _functional.fused_recurrent_gated_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, output_final_state=cache is not None,
-                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=backend)
         else:
             o, recurrent_state = op(
                 q, k, v, g, beta,
@@ -268,10 +265,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.flatten(-2))
 
     def _use_recurrent_step(self, seq_len: int, cu_seqlens: Optional[torch.Tensor], backend: Optional[str]) -> bool:
-        """Whether a call runs the fused-recurrent step: out of training, no backend named,
-        at most ``recurrent_max_len`` tokens per sequence (the packed total bounds it)."""
-        named = backend is not None or bool(os.environ.get(BACKEND_ENV_VAR))
-        return not self.training and not named and 0 < seq_len <= self.recurrent_max_len
+        """Whether a call runs the token-by-token step (through the same backend): out of
+        training, at most ``recurrent_max_len`` tokens per sequence (the packed total bounds it)."""
+        return not self.training and 0 < seq_len <= self.recurrent_max_len
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "

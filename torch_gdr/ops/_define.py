@@ -3,13 +3,18 @@
 Every backend ``name`` has
 
 - a forward op ``gdr::_{name}_fwd`` with the public op's arguments plus
-  ``save_chunk_states``, returning ``(o, final_state, chunk_states)``: ``final_state`` is
+  ``save_chunk_states`` and ``strict``, returning ``(o, final_state, chunk_states)``: ``final_state`` is
   empty unless ``output_final_state``, ``chunk_states`` is whatever the backend's backward
   reads instead of recomputing the state entering every chunk (empty unless
   ``save_chunk_states``);
 - a backward op (``gdr::_{name}_bwd``, or a given name) taking the gradients of the outputs,
   the forward's arguments and those chunk states, returning ``(dq, dk, dv, dg, dbeta,
   d_initial_state)`` (the last empty without an initial state).
+
+``strict`` is the fallback policy travelling with the call: the forward op saves it and
+its backward op receives it, so a backward kernel that fails at run time raises where the
+caller named the backend (or strict mode is on) and falls back to the pure-torch backward
+otherwise, with one op per backend.
 
 Both take the public layouts; their implementations turn the arguments into a
 :class:`~torch_gdr._layout.GdrCall` once and call the backend's raw functions, which see the
@@ -28,15 +33,15 @@ from typing import Any, Optional
 import torch
 
 from torch_gdr._layout import GdrCall, canonical_call
-from torch_gdr.ref.utils import compute_dtype_for
+from torch_gdr._layout import compute_dtype_for
 
 Tensor = torch.Tensor
 
 #: ``forward(call, save_chunk_states) -> (o, final_state, chunk_states or None)``, canonical layout.
 RawForward = Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[Tensor]]]
-#: ``backward(call, grad_o, grad_final_state or None, chunk_states or None) -> (dq, dk, dv, dg, dbeta,
-#: d_initial_state or None)``, canonical layout.
-RawBackward = Callable[[GdrCall, Tensor, Optional[Tensor], Optional[Tensor]], tuple[Optional[Tensor], ...]]
+#: ``backward(call, grad_o, grad_final_state or None, chunk_states or None, strict) -> (dq, dk, dv, dg,
+#: dbeta, d_initial_state or None)``, canonical layout; ``strict``: a failing kernel raises.
+RawBackward = Callable[[GdrCall, Tensor, Optional[Tensor], Optional[Tensor], bool], tuple[Optional[Tensor], ...]]
 #: ``shape(q, v, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel)``: the chunk states' shape in
 #: a fake, None for a size that depends on the data (e.g. on the values of ``cu_seqlens``).
 StatesShape = Callable[[Tensor, Tensor, Optional[Tensor], int, bool], list[Optional[int]]]
@@ -45,10 +50,10 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None
          "bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, Tensor? cu_seqlens=None, "
          "int chunk_size=64, bool state_v_first=False")
 PUBLIC_SCHEMA = f"({_ARGS}) -> (Tensor, Tensor)"
-FORWARD_SCHEMA = f"({_ARGS}, bool save_chunk_states=False) -> (Tensor, Tensor, Tensor)"
+FORWARD_SCHEMA = f"({_ARGS}, bool save_chunk_states=False, bool strict=False) -> (Tensor, Tensor, Tensor)"
 BACKWARD_SCHEMA = ("(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
                    "float? scale, Tensor? initial_state, bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens, "
-                   "int chunk_size, bool state_v_first, Tensor? chunk_states=None) "
+                   "int chunk_size, bool state_v_first, Tensor? chunk_states=None, bool strict=False) "
                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _NUM_PUBLIC_ARGS = 12
 
@@ -87,7 +92,7 @@ def run_forward(forward: RawForward, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
 def _run_backward(backward: RawBackward, grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor,
                   v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], chunk_size: int, state_v_first: bool,
-                  chunk_states: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+                  chunk_states: Optional[Tensor] = None, strict: bool = False) -> tuple[Tensor, ...]:
     """A backward op's body: canonicalise once, run ``backward``, gradients in the public layouts."""
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
                           state_v_first)
@@ -95,7 +100,8 @@ def _run_backward(backward: RawBackward, grad_o: Tensor, grad_final_state: Optio
         grad_final_state = None  # the forward returned no final state
     if chunk_states is not None and chunk_states.numel() == 0:
         chunk_states = None  # none were saved
-    grads = backward(call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state), chunk_states)
+    grads = backward(call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state), chunk_states,
+                     strict)
     inputs = [t for t in (grad_o, grad_final_state, q, k, v, g, beta, initial_state, chunk_states) if t is not None]
     # an op's outputs may not alias its inputs (e.g. d_initial_state = grad_final_state when no token ran)
     grads = [None if d is None else (d.clone() if any(_same_storage(d, t) for t in inputs) else d) for d in grads]
@@ -106,8 +112,8 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
 
 
-def _fake_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-                   cu_seqlens, chunk_size, state_v_first, chunk_states=None):
+def fake_backward(grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                   cu_seqlens, chunk_size, state_v_first, chunk_states=None, strict=False):
     d_initial = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(0)
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta)) + (d_initial,)
 
@@ -118,8 +124,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple, *, backward_op: Any) 
     (q, k, v, g, beta, scale, initial_state, _, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
      state_v_first) = inputs[:_NUM_PUBLIC_ARGS]
     chunk_states = output[2] if len(output) == 3 else None
+    strict = bool(inputs[_NUM_PUBLIC_ARGS + 1]) if len(inputs) > _NUM_PUBLIC_ARGS + 1 else False
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_states)
-    ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first)
+    ctx.options = (scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first, strict)
     ctx.backward_op = backward_op
     ctx.num_inputs = len(inputs)
     if chunk_states is not None:
@@ -132,12 +139,12 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple, *, backward_op: Any) 
 def _backward(ctx: Any, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], *_: Any) -> tuple:
     """The one autograd backward of every forward op: its backend's backward op."""
     q, k, v, g, beta, initial_state, cu_seqlens, chunk_states = ctx.saved_tensors
-    scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first = ctx.options
+    scale, use_qk_l2norm_in_kernel, chunk_size, state_v_first, strict = ctx.options
     if grad_o is None:
         grad_o = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, d_initial = ctx.backward_op(
         grad_o, grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-        chunk_size, state_v_first, chunk_states)
+        chunk_size, state_v_first, chunk_states, strict)
     grads = (dq, dk, dv, dg, dbeta, None, d_initial if initial_state is not None else None)
     return grads + (None,) * (ctx.num_inputs - len(grads))
 
@@ -151,7 +158,7 @@ def define_backward_op(qualname: str, backward: RawBackward) -> Any:
     """The backward op ``qualname`` running ``backward`` (canonical layout)."""
     op = torch.library.custom_op(qualname, functools.partial(_run_backward, backward), mutates_args=(),
                                  schema=BACKWARD_SCHEMA)
-    op.register_fake(_fake_backward)
+    op.register_fake(fake_backward)
     return op
 
 
@@ -164,13 +171,13 @@ def define_backend(name: str, forward: RawForward, backward_op: Any,
 
     def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
-            save_chunk_states=False):
+            save_chunk_states=False, strict=False):
         return run_forward(forward, q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first, save_chunk_states)
 
     def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False,
-             save_chunk_states=False):
+             save_chunk_states=False, strict=False):
         o, final_state = fake_outputs(q, v, output_final_state, cu_seqlens, state_v_first)
         if not save_chunk_states or states_shape is None:
             return o, final_state, final_state.new_empty(0)

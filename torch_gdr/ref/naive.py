@@ -17,8 +17,19 @@ from typing import Optional
 
 import torch
 
-from torch_gdr._layout import default_scale
-from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for, l2norm, repeat_kv_heads
+from einops import repeat
+
+from torch_gdr._layout import L2NORM_EPS, compute_dtype_for, default_scale
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x**2) + eps)`` along the last dim."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def repeat_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    """q/k heads ``[..., H, D]`` as ``[..., HV, D]``: value head h reads head ``h // (HV // H)``."""
+    return repeat(x, "... h d -> ... (h group) d", group=num_v_heads // x.shape[-2])
 
 
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,18 +1,7 @@
-"""Fused C++/OpenMP CPU kernels of the chunked gated delta rule.
+"""The ``"cpu"`` backend: fused C++/OpenMP kernels of the chunked gated delta rule.
 
-Entry points (see :mod:`torch_gdr.ops.cpu.kernels` for shapes and dtypes):
-
-- :func:`available` / :func:`unavailable_reason`: whether the extension builds here;
-- :func:`chunk_fwd`: the chunked forward, optionally returning the chunk states;
-- :func:`chunk_bwd`: its hand-written backward from those states;
-- :func:`recurrent_fwd`: the per-token step for decode and short T.
-
-The extension is compiled at first use into the cache directory (:mod:`._build`);
-without a working C++ toolchain every entry point runs the pure-torch path, with one
-warning.
+:mod:`.kernels` puts tensors in the kernels' form and calls the extension, which
+:mod:`._build` loads (prebuilt at install, or built at first use into the cache dir);
+:mod:`.op` defines the backend's ``torch.library`` ops on them and :mod:`.backend` declares
+what it serves.
 """
-
-from torch_gdr.ops.cpu.kernels import (available, chunk_bwd, chunk_fwd, kernel_chunk_size, recurrent_fwd,
-                                       unavailable_reason)
-
-__all__ = ["available", "chunk_bwd", "chunk_fwd", "kernel_chunk_size", "recurrent_fwd", "unavailable_reason"]

@@ -1,23 +1,22 @@
-"""The Python entry points of the fused CPU kernels, with the pure-torch path as fallback.
+"""The Python side of the fused CPU kernels: tensors in the kernels' form, then the C++.
 
 Canonical layout: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (``HV % H == 0``); g, beta
 ``[B, T, HV]``; initial_state key-first ``[N, HV, K, V]`` or None; cu_seqlens int64
 ``[N + 1]`` or None (then B == 1); scale a float. The kernels compute in float32 for
-float32, float16 and bfloat16 inputs (states always float32); float64 inputs, and every
-call when the extension cannot be built, go to the pure-torch path (``torch_gdr.ref``),
-which warns once. The chunk states a forward returns are opaque: pass them to
-:func:`chunk_bwd` of the same call and nowhere else (their layout differs between the
-kernels and the fallback, and a call takes the same path forward and backward).
+float32, float16 and bfloat16 inputs (q and v of one dtype; states always float32). Where
+the extension cannot be built or loaded these functions raise: the ``"cpu"`` backend
+(:mod:`.backend`) declares that as its reason, and dispatch picks another backend. The
+chunk states a forward returns are ``[total_chunks, HV, K, V]``, the state entering every
+chunk of every sequence in order, for :func:`chunk_bwd` of the same call.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 
-from torch_gdr._layout import GdrCall, default_scale
+from torch_gdr._layout import default_scale
 from torch_gdr.ops.cpu import _build
 
 Tensor = torch.Tensor
@@ -33,10 +32,8 @@ STAGES = 0
 #: Its intra-chunk work per token grows with the chunk while the state scan's does not, so
 #: shorter chunks cost less; the result does not depend on the chunk up to rounding. A
 #: forward that keeps its states (training) runs at the caller's chunk, whose states the
-#: backward reads (at 32 they would double). Measured on the 2-core AVX-512 VM, (1, 4096, 4,
-#: 128) forward: 13.7 ms at 16, 13.9 at 32, 17.3 at 64, 202 at 128 (bench/RESULTS.md).
+#: backward reads (at 32 they would double). bench/RESULTS.md has the measurements.
 FORWARD_ONLY_CHUNK = 32
-_warned = False
 
 
 def available() -> bool:
@@ -50,16 +47,11 @@ def unavailable_reason() -> Optional[str]:
     return _build.unavailable_reason()
 
 
-def _extension(dtype: torch.dtype):
-    """The extension for inputs of ``dtype``, or None for the pure-torch path."""
-    global _warned
-    if dtype not in KERNEL_DTYPES:
-        return None
+def _extension():
+    """The loaded extension; ``RuntimeError`` with the reason where it cannot be loaded."""
     module = _build.load()
-    if module is None and not _warned:
-        _warned = True
-        warnings.warn(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()}); "
-                      "using the pure-torch path", RuntimeWarning, stacklevel=3)
+    if module is None:
+        raise RuntimeError(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()})")
     return module
 
 
@@ -92,15 +84,6 @@ def _scale(scale: Optional[float], q: Tensor) -> float:
     return float(default_scale(q.shape[-1]) if scale is None else scale)
 
 
-def _call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-          initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor],
-          chunk_size: int) -> GdrCall:
-    """The canonical-layout arguments as the :class:`GdrCall` the pure-torch path takes."""
-    offsets = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    return GdrCall(q, k, v, g, beta, initial_state, cu_seqlens, offsets, _scale(scale, q), use_qk_l2norm,
-                   chunk_size)
-
-
 def kernel_chunk_size(chunk_size: int, save_states: bool) -> int:
     """The chunk length the kernels run a forward with: the caller's where the chunk states
     are kept, else at most :data:`FORWARD_ONLY_CHUNK`."""
@@ -110,21 +93,15 @@ def kernel_chunk_size(chunk_size: int, save_states: bool) -> int:
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
               save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The chunked forward; the kernels run it at :func:`kernel_chunk_size` (the pure-torch
-    fallback at ``chunk_size``).
+    """The chunked forward; the kernels run it at :func:`kernel_chunk_size`.
 
     Returns:
-        ``o [B, T, HV, V]`` in v's dtype, the final state ``[N, HV, K, V]`` float32 (float64
-        for float64 inputs), and with ``save_states`` the chunk states for :func:`chunk_bwd`
-        (kernels: ``[total_chunks, HV, K, V]`` float32, the state entering every chunk of
-        every sequence, sequences in order), else None.
+        ``o [B, T, HV, V]`` in v's dtype, the final state ``[N, HV, K, V]`` float32, and with
+        ``save_states`` the chunk states for :func:`chunk_bwd` (``[total_chunks, HV, K, V]``
+        float32, the state entering every chunk of every sequence, sequences in order), else
+        None.
     """
-    ext = _extension(v.dtype)
-    if ext is None:
-        from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
-
-        return chunk_gated_delta_rule_fwd(_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens,
-                                                chunk_size), save_states)
+    ext = _extension()
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
                                            bool(use_qk_l2norm), cu, kernel_chunk_size(chunk_size, save_states),
@@ -146,14 +123,9 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
         ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the shapes and dtypes of their
         inputs; ``d_initial_state`` is None when ``initial_state`` is None.
     """
-    ext = _extension(v.dtype)
+    ext = _extension()
     if grad_o is None:
         grad_o = torch.zeros_like(v)
-    if ext is None:
-        from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
-
-        call = _call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size)
-        return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, chunk_states)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     q_, k_, v_, g_, beta_, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     scale_ = _scale(scale, q)
@@ -183,18 +155,9 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
 
     Returns:
         ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` float32
-        (float64 for float64 inputs; ``out_state`` when given).
+        (``out_state`` when given).
     """
-    ext = _extension(v.dtype)
-    if ext is None:
-        from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
-
-        o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, True,
-                                                          use_qk_l2norm, cu_seqlens)
-        if out_state is not None:
-            out_state.copy_(final_state)
-            final_state = out_state
-        return o, final_state
+    ext = _extension()
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     if out_state is not None and (out_state.dtype != torch.float32 or not out_state.is_contiguous()):
         raise ValueError(f"out_state: expected a contiguous float32 tensor, got {out_state.dtype} "

@@ -25,8 +25,9 @@ saved              shape                   dtype
 fla's refusals (for example its ``RuntimeError`` for the gated backward on Hopper GPUs
 with Triton >= 3.4.0, < 3.7.1) and failures surface as :class:`FlaRefusal`, whose
 ``reason`` is a fallback reason for the dispatch policy (warn once and run the pure-torch
-path; raise when the backend was named or ``TORCH_GDR_STRICT=1``).
-:func:`unavailable_reason` predicts the refusals it can before any kernel runs.
+path; raise when the backend was named or ``TORCH_GDR_STRICT=1``). The backend
+(:mod:`.backend`) predicts the refusals it can before any kernel runs
+(:func:`backward_refusal_reason`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ FLA_CHUNK_SIZES: tuple[int, ...] = (16, 32, 64)
 FLA_MAX_HEAD_K_DIM = 256
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
-__all__ = ["FlaRefusal", "TESTED_RANGE", "available", "backward_refusal_reason", "fla_chunk_bwd", "fla_chunk_fwd",
-           "fla_chunk_size", "fla_fused_recurrent_fwd", "fused_recurrent_unavailable_reason", "reset",
-           "unavailable_reason"]
+__all__ = ["FLA_CHUNK_SIZES", "FLA_DEVICE_TYPES", "FLA_DTYPES", "FLA_MAX_HEAD_K_DIM", "FlaRefusal", "TESTED_RANGE",
+           "available", "backward_refusal_reason", "fla_chunk_bwd", "fla_chunk_fwd", "fla_chunk_size",
+           "fla_fused_recurrent_fwd", "load_reason", "reset"]
 
 
 class FlaRefusal(RuntimeError):
@@ -62,6 +63,13 @@ class FlaRefusal(RuntimeError):
 def available() -> bool:
     """True when a fla-core of the tested range imports with every function used here."""
     return not isinstance(load(), str)
+
+
+def load_reason() -> str:
+    """Why fla's kernels cannot be used here ("" when they can): fla-core not installed, of
+    another version, or broken."""
+    fla = load()
+    return fla if isinstance(fla, str) else ""
 
 
 def fla_chunk_size(chunk_size: int) -> int:
@@ -85,46 +93,6 @@ def backward_refusal_reason() -> Optional[str]:
         return ("fla refuses the gated backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 (wrong results, "
                 "fla issue #640); upgrade Triton to >= 3.7.1 or install tilelang")
     return None
-
-
-def _common_reason(q: Tensor, v: Tensor) -> Optional[str]:
-    fla = load()
-    if isinstance(fla, str):
-        return fla
-    if q.device.type not in FLA_DEVICE_TYPES:
-        return f"fla's Triton kernels run on CUDA tensors, not on {q.device.type!r} tensors"
-    for name, t in (("q", q), ("v", v)):
-        if t.dtype not in FLA_DTYPES:
-            return f"fla's kernels take float16, bfloat16 or float32 inputs, got {name} in {t.dtype}"
-    if q.shape[-3] == 0:
-        return "the call has no tokens (T = 0)"
-    return None
-
-
-def unavailable_reason(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
-                       initial_state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-                       chunk_size: int = 64, *, needs_backward: bool = False) -> Optional[str]:
-    """Why fla's chunked kernels cannot serve this (checked) call, or None when they can.
-
-    Shapes and dtypes only: nothing is read from the tensors. ``needs_backward`` adds the
-    refusals of fla's backward (:func:`backward_refusal_reason`).
-    """
-    del g, beta, initial_state, cu_seqlens, chunk_size  # any value fla takes (chunk size: fla_chunk_size)
-    reason = _common_reason(q, v)
-    if reason is not None:
-        return reason
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"fla's chunked kernels take one dtype for q, k and v, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[-1] > FLA_MAX_HEAD_K_DIM:
-        return f"fla's chunked kernels take head dims K <= {FLA_MAX_HEAD_K_DIM}, got K = {q.shape[-1]}"
-    return backward_refusal_reason() if needs_backward else None
-
-
-def fused_recurrent_unavailable_reason(q: Tensor, v: Tensor, *, needs_backward: bool = False) -> Optional[str]:
-    """Why fla's fused-recurrent kernel cannot serve a call, or None. It has no backward."""
-    if needs_backward:
-        return "fla's fused-recurrent kernel has no backward"
-    return _common_reason(q, v)
 
 
 def _classify(stage: str, exc: BaseException, version: str) -> str:

@@ -6,8 +6,9 @@ what fla's backward needs beside the op's inputs (``g_cumsum``, ``A``, ``q_rstd`
 exactly and narrows back exactly), so that ``gdr::_fla_bwd`` recomputes nothing fla itself
 would not. Its size follows the shapes only, never the data. A refusal of fla's backward
 that shows only when it runs (:class:`FlaRefusal`) falls back to the pure-torch backward
-on the same device, with one warning per reason (an error with ``TORCH_GDR_STRICT=1``);
-dispatch predicts the refusals it can before the forward runs.
+on the same device, with one warning per reason (an error where the backend was named or
+with ``TORCH_GDR_STRICT=1``); dispatch predicts the refusals it can before the forward runs.
+``gdr::_fla_step`` runs fla's fused-recurrent kernel (inference only).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from torch_gdr._fallback import refuse_or_warn
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op
-from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
 
-from . import FlaRefusal, fla_chunk_bwd, fla_chunk_fwd, fla_chunk_size
+from . import FlaRefusal, fla_chunk_bwd, fla_chunk_fwd, fla_chunk_size, fla_fused_recurrent_fwd
 
 Tensor = torch.Tensor
 
@@ -63,7 +64,7 @@ def _unpack(call: GdrCall, packed: Tensor) -> list[Tensor]:
 
 
 def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
-              packed: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+              packed: Optional[Tensor], strict: bool) -> tuple[Optional[Tensor], ...]:
     try:
         if packed is None:  # nothing kept (the forward ran without save_chunk_states): fla's forward again
             _, _, *saved = fla_chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
@@ -73,9 +74,32 @@ def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
         return fla_chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, *saved, call.scale,
                              call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size)
     except FlaRefusal as refusal:
-        refuse_or_warn("fla", refusal.reason, named=False)
+        refuse_or_warn("fla", refusal.reason, named=strict, instead="the pure-torch backward")
         return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
 
 
 fla_bwd = define_backward_op("gdr::_fla_bwd", _backward)
 fla_fwd = define_backend("fla", _forward, fla_bwd, _packed_numel)
+
+
+@torch.library.custom_op("gdr::_fla_step", mutates_args=())
+def fla_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
+                cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """fla's fused-recurrent kernel on the canonical layout; returns ``o`` (v's shape and
+    dtype) and the key-first final state ``[N, HV, K, V]`` float32."""
+    o, final_state = fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                                             cu_seqlens)
+    return o, final_state
+
+
+@fla_step_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_empty(v.shape), v.new_empty((num_seqs, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+
+
+def fla_step(call: GdrCall) -> tuple[Tensor, Tensor]:
+    """The step entry on a checked call in the canonical layout."""
+    return fla_step_op(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
+                       call.use_qk_l2norm, call.cu_seqlens)

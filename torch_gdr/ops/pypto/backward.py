@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from torch_gdr._validate import read_cu_seqlens, check_inputs
-from torch_gdr.ref.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
+from torch_gdr.ops.torch.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 
 from . import interpreter
 from .kernel import chunk_offsets

@@ -122,7 +122,7 @@ from typing import Any
 
 import torch
 
-from torch_gdr.ref.utils import L2NORM_EPS  # the in-kernel l2 norm's epsilon, as in the reference
+from torch_gdr._layout import L2NORM_EPS  # the in-kernel l2 norm's epsilon
 
 from ._env import import_pypto
 

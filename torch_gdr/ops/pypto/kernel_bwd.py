@@ -45,7 +45,7 @@ long call within one stitch (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` bodies): bodies
 it go into a later submission, whose parallel work only starts when the first drains.
 
 Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
-forward's quantities recomputed (the notation of :mod:`torch_gdr.ref.chunk_backward`,
+forward's quantities recomputed (the notation of :mod:`torch_gdr.ops.torch.chunk_backward`,
 where the whole derivation is)::
 
     gamma = tril @ g   Gamma = exp(gamma_r - gamma_s) (r >= s)   G = strict(K K^T * Gamma)

@@ -1,16 +1,13 @@
-"""The ``"pypto"`` backend's ops, and the NPU kernel of the public op.
+"""The ``"pypto"`` backend's ops.
 
 ``gdr::_pypto_fwd`` runs the PyPTO forward kernel: on Ascend NPU tensors on the device, on
 CPU tensors through PyPTO's verify interpreter (a correctness check, not fast). Its backward
 op ``gdr::_pypto_bwd`` runs the PyPTO backward kernel (:mod:`.kernel_bwd`), which walks the
-chunks in reverse from the state entering each chunk; where that kernel fails, the
-pure-torch backward on the same device, with one warning per reason. Both ops trust their arguments: the caller (the public call, through
-:mod:`torch_gdr.dispatch`) has checked them and checked that :func:`spec.unsupported_reason`
-is None.
-
-On NPU tensors the public op ``torch.ops.gdr.chunked_gated_delta_rule`` runs the kernel too
-(its ``PrivateUse1`` kernel, registered here); where the kernel cannot serve a call it warns
-once per reason (:mod:`torch_gdr._fallback`) and runs the pure-torch forward.
+chunks in reverse from the state entering each chunk; where that kernel fails, the policy
+travelling with the call (``strict``, :mod:`torch_gdr.ops._define`) decides: an error for a
+backend the caller named (or strict mode), else the pure-torch backward on the same device
+with one warning per reason. Both ops trust their arguments: dispatch has checked them and
+that the backend serves the call (:mod:`.backend`).
 """
 
 from __future__ import annotations
@@ -21,16 +18,14 @@ import torch
 
 from torch_gdr._fallback import failure_reason, refuse_or_warn
 from torch_gdr._layout import GdrCall
-from torch_gdr._validate import check_inputs
-from torch_gdr.ops._define import define_backend, define_backward_op, run_forward
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
-from torch_gdr.ref.chunk_backward import chunk_gated_delta_rule_bwd
-from torch_gdr.ref.nonfinite import contained
+from torch_gdr.ops._define import define_backend, define_backward_op
+from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ops.torch.nonfinite import contained
 
-from . import spec
 from .backward import launch_backward
 from .forward import launch_forward
 from .kernel import kernel_chunk_size
+from .spec import CHUNK_SIZES
 
 Tensor = torch.Tensor
 
@@ -56,7 +51,7 @@ def _packed(call: GdrCall) -> tuple[Tensor, int]:
 def pypto_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The forward kernel on a call in the canonical layout; with ``save_chunk_states`` also
     the state entering every kernel chunk, ``[C, HV, K, V]`` fp32 (what the backward reads).
-    A NaN or inf in the inputs spreads as in the recurrence (:mod:`torch_gdr.ref.nonfinite`)."""
+    A NaN or inf in the inputs spreads as in the recurrence (:mod:`torch_gdr.ops.torch.nonfinite`)."""
     return contained(_kernel_forward, call, save_chunk_states)
 
 
@@ -71,32 +66,26 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
 
 
 def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
-                   chunk_states: Optional[Tensor], named: bool = False) -> tuple[Optional[Tensor], ...]:
+                   chunk_states: Optional[Tensor], strict: bool = False) -> tuple[Optional[Tensor], ...]:
     """The PyPTO backward kernel on a call in the canonical layout (B equal-length sequences
     packed as varlen, the kernel's chunk size as the forward's). Where it cannot serve the
     call (a configuration the forward ran on, but a kernel that fails to build or run), the
-    fallback policy: with the backend ``named`` (or strict mode) a ``PyptoBackendError``, else
-    the pure-torch backward on the same device, with one warning per reason."""
+    fallback policy: with ``strict`` (the backend was named, or strict mode) a
+    ``PyptoBackendError``, else the pure-torch backward on the same device, with one warning
+    per reason."""
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     cu_seqlens, chunk_size = _packed(call)
-    reason = spec.unsupported_reason(q, v, call.chunk_size)
-    if reason is None:
-        try:
-            dq, dk, dv, dg, dbeta, d_initial = launch_backward(
-                _token_major(grad_o), grad_final_state, _token_major(q), _token_major(k), _token_major(v),
-                _token_major(g), _token_major(beta), cu_seqlens, call.initial_state, chunk_states, scale=call.scale,
-                use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
-            return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
-                    d_initial)
-        except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
-            reason = failure_reason("the backward kernel", error)
-    refuse_or_warn("pypto", reason, named=named)
+    try:
+        dq, dk, dv, dg, dbeta, d_initial = launch_backward(
+            _token_major(grad_o), grad_final_state, _token_major(q), _token_major(k), _token_major(v),
+            _token_major(g), _token_major(beta), cu_seqlens, call.initial_state, chunk_states, scale=call.scale,
+            use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
+        return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
+                d_initial)
+    except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
+        reason = failure_reason("the backward kernel", error)
+    refuse_or_warn("pypto", reason, named=strict, instead="the pure-torch backward")
     return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
-
-
-def _named_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
-                    chunk_states: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-    return pypto_backward(call, grad_o, grad_final_state, chunk_states, named=True)
 
 
 pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
@@ -110,25 +99,11 @@ def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size
 
 
 pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd, _states_shape)
-# The same forward for a backend the caller named: its backward raises where the default's
-# falls back (picking between the two ops is how the policy reaches the backward).
-pypto_named_bwd = define_backward_op("gdr::_pypto_named_bwd", _named_backward)
-pypto_named_fwd = define_backend("pypto_named", pypto_forward, pypto_named_bwd, _states_shape)
 
 
-def _npu_public_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, state_v_first=False):
-    """The public op on Ascend NPU tensors: the kernel, or the pure-torch forward (with one
-    warning per reason) where it cannot serve the call."""
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    forward = pypto_forward
-    reason = spec.unsupported_reason(q, v, chunk_size)
-    if reason is not None:
-        refuse_or_warn("pypto", reason, named=False)
-        forward = chunk_gated_delta_rule_fwd
-    o, final_state, _ = run_forward(forward, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first, False)
+def pypto_step(call: GdrCall) -> tuple[Tensor, Tensor]:
+    """The step entry: one launch of the chunked forward kernel at its smallest chunk
+    (differentiable through the op's autograd), canonical layout."""
+    o, final_state, _ = pypto_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, True,
+                                  call.use_qk_l2norm, call.cu_seqlens, CHUNK_SIZES[0], False)
     return o, final_state
-
-
-torch.library.register_kernel("gdr::chunked_gated_delta_rule", "privateuseone", _npu_public_op)

@@ -1,4 +1,4 @@
-// The hand-written chunked backward (derivation: torch_gdr/ref/chunk_backward.py), per
+// The hand-written chunked backward (derivation: torch_gdr/ops/torch/chunk_backward.py), per
 // segment of chunks, last segment first, in three parallel regions:
 //   1. over (sequence, chunk, value head): the intra-chunk part again, and V' = U - W S
 //      from the saved chunk states;

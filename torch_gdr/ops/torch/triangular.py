@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.utils import lower_mask
+from torch_gdr.ops.torch.utils import lower_mask
 
 BLOCK = 16
 

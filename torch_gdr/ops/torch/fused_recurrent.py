@@ -16,19 +16,17 @@ float32 (float64 when q, k or v is float64), whatever the input dtypes: q/k may 
 one float dtype and v in another (as fla's fused-recurrent kernel takes them), and o comes
 back in v's dtype.
 
-Public entry: :func:`fused_recurrent_gated_delta_rule` (fla's signature). The computation
-in the canonical layout: :func:`fused_recurrent_fwd`.
+The computation in the canonical layout: :func:`fused_recurrent_fwd`, the ``"torch"``
+backend's step (``torch_gdr.fused_recurrent_gated_delta_rule`` checks the arguments).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from torch_gdr._layout import default_scale
-from torch_gdr._validate import CHUNK_SIZES, check_inputs, read_cu_seqlens
-from torch_gdr.ref.utils import L2NORM_EPS
+from torch_gdr.ops.torch.utils import L2NORM_EPS
 
 Tensor = torch.Tensor
 
@@ -45,8 +43,7 @@ class _Padding:
     then :meth:`pad` returns views (the common decode batch ``cu_seqlens = [0, 1, ..., N]``).
     """
 
-    def __init__(self, cu_seqlens: Tensor, num_tokens: int, device: torch.device) -> None:
-        offsets = cu_seqlens.tolist()
+    def __init__(self, offsets: Sequence[int], num_tokens: int, device: torch.device) -> None:
         lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
         self.num_seqs, self.longest = len(lengths), max(lengths, default=0)
         self.valid: Optional[Tensor] = None
@@ -94,7 +91,7 @@ def _single_step(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, 
 
 def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                         initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool = False,
-                        cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                        offsets: Optional[Sequence[int]] = None) -> tuple[Tensor, Tensor]:
     """The recurrence in the canonical layout, on a checked call.
 
     Args:
@@ -104,7 +101,7 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         scale: multiplies q after the l2norm.
         initial_state: key-first ``[N, HV, K, V]`` (any strides, any float dtype) or None.
         use_qk_l2norm_in_kernel: replace q, k by ``x / sqrt(sum(x**2) + 1e-6)``.
-        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1), or None.
+        offsets: the ``N + 1`` offsets of packed sequences (B == 1) on the host, or None.
 
     Returns:
         ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` in the compute
@@ -114,7 +111,7 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     head_k_dim, num_v_heads, head_v_dim = q.shape[-1], v.shape[2], v.shape[-1]
     group = num_v_heads // q.shape[2]
     kq = torch.stack([k, q], dim=-2)  # [N, L, H, 2, K]: rows key, query
-    padding = None if cu_seqlens is None else _Padding(cu_seqlens, q.shape[1], q.device)
+    padding = None if offsets is None else _Padding(offsets, q.shape[1], q.device)
     if padding is not None:
         kq, v, g, beta = (padding.pad(x) for x in (kq, v, g, beta))
         if padding.valid is not None:  # padding: no decay, no write, so the state stays exact
@@ -182,82 +179,3 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     if not owned:  # no token ran: a fresh copy, never the caller's tensor
         state = state.clone()
     return o.contiguous(), state.view(num_seqs, num_v_heads, head_k_dim, head_v_dim)
-
-
-def fused_recurrent_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor] = None,
-    beta: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None,
-    output_final_state: bool = False,
-    *,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
-    state_v_first: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
-    r"""The gated delta rule token by token, a drop-in for
-    ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (decoding, short prompts).
-
-    Runs on every device in plain torch and is differentiable (autograd through the steps;
-    fla's own kernel has no backward). Cost grows with T one step at a time: for long
-    inputs use :func:`torch_gdr.chunk_gated_delta_rule`.
-
-    Args:
-        q: queries ``[B, T, H, K]`` or token-major ``[T, H, K]``; a float dtype.
-        k: keys, shape and dtype of q.
-        v: values ``[B, T, HV, V]`` (``[T, HV, V]``), any float dtype (may differ from q's:
-            everything is computed in float32, float64 when q or v is float64).
-        g: per-token log decay ``[B, T, HV]``; None means no decay (fla's default).
-        beta: write strengths ``[B, T, HV]``; None means ones (fla's default).
-        scale: multiplies q (after the l2norm); ``K ** -0.5`` when None.
-        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any
-            float dtype; zeros when None. Never modified.
-        output_final_state: return the final state.
-        use_qk_l2norm_in_kernel: replace q and k by ``x / sqrt(sum(x**2) + 1e-6)``.
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (B == 1).
-        state_v_first: states are value-first ``[N, HV, V, K]``.
-
-    Positional order is fla's ``(q, k, v, g, beta, scale, initial_state,
-    output_final_state)`` as in fla < 0.6 and :func:`torch_gdr.chunk_gated_delta_rule`;
-    fla 0.6 inserted ``gk, gv`` before ``beta``, so code written for it passes ``beta`` by
-    name, which works here too.
-
-    Returns:
-        ``o`` in the shape and dtype of v, and the final state (float32; float64 for
-        float64 inputs) in the layout of ``initial_state``, or None unless
-        ``output_final_state``.
-
-    Raises:
-        TypeError: non-tensor or non-floating inputs, q and k of different dtypes,
-            non-integer ``cu_seqlens``.
-        ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    lead = tuple(v.shape[:-1])  # [B, T, HV] or [T, HV]
-    if g is None:
-        g = torch.zeros(lead, dtype=torch.float32, device=v.device)
-    if beta is None:
-        beta = torch.ones(lead, dtype=torch.float32, device=v.device)
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
-    token_major = q.dim() == 3
-    if token_major:
-        q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
-    if cu_seqlens is not None:
-        read_cu_seqlens(cu_seqlens, q.shape[1])
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    o, final_state = fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-                                         cu_seqlens)
-    if token_major:
-        o = o.squeeze(0)
-    if not output_final_state:
-        return o, None
-    if state_v_first:
-        final_state = final_state.transpose(-1, -2).contiguous()
-    return o, final_state

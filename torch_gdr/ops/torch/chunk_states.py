@@ -1,7 +1,7 @@
 """The state entering every chunk, stored segment by segment.
 
-Segment ``i`` of a :class:`~torch_gdr.ref.chunk_layout.ChunkLayout` (a
-:class:`~torch_gdr.ref.chunk_layout.Span`: chunks ``[c0, c1)`` of sequences ``[n0, n1)``,
+Segment ``i`` of a :class:`~torch_gdr.ops.torch.chunk_layout.ChunkLayout` (a
+:class:`~torch_gdr.ops.torch.chunk_layout.Span`: chunks ``[c0, c1)`` of sequences ``[n0, n1)``,
 ``nh_i = (n1 - n0) * HV`` matrices) has a *block*: the states entering its chunks,
 ``[c1 - c0, nh_i, K, V]``, contiguous. Blocks are what the state scan writes and what the
 backward reads, so that no state is ever gathered or scattered, and they hold only the
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ref.chunk_layout import ChunkLayout
+from torch_gdr.ops.torch.chunk_layout import ChunkLayout
 
 Tensor = torch.Tensor
 

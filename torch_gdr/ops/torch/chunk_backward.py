@@ -1,6 +1,6 @@
 """The backward of the chunked gated delta rule, written by hand.
 
-Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_gdr.ref.chunk`)::
+Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_gdr.ops.torch.chunk`)::
 
     gamma = cumsum(g)                     Gamma[r, s] = exp(gamma_r - gamma_s) (r >= s, else 0)
     G  = strictly_lower(K K^T * Gamma)    A = diag(beta) G          T = (I + A)^-1
@@ -11,9 +11,9 @@ Notation per chunk (``C`` tokens, one sequence and value head; see :mod:`torch_g
     O  = Qg S + P V'                      S' = exp(gamma_C) S + Kd^T V'
 
 The forward saves the inputs and, where it can (the public call's training path, eager or
-compiled), the chunk-boundary states ``S_c`` (:mod:`torch_gdr.ref.chunk_states`); everything else is
+compiled), the chunk-boundary states ``S_c`` (:mod:`torch_gdr.ops.torch.chunk_states`); everything else is
 recomputed. The backward runs in up to two passes over segments of a few chunks
-(:mod:`torch_gdr.ref.chunk_layout`), so that its temporaries are O(segment): pass 1,
+(:mod:`torch_gdr.ops.torch.chunk_layout`), so that its temporaries are O(segment): pass 1,
 only when the states were not saved (the public op's registered autograd saves nothing but
 the inputs), recomputes them by a forward scan; pass 2 walks the segments and chunks in reverse,
 recomputing each segment's parallel part and ``V' = U - W S`` (one batched matmul, the
@@ -67,10 +67,10 @@ from typing import Optional
 import torch
 
 from torch_gdr._layout import GdrCall
-from torch_gdr.ref.chunk_layout import ChunkLayout, Span, layout_for_call
-from torch_gdr.ref.chunk_states import ChunkStates
-from torch_gdr.ref.segment import Segment, Workspace, batched, bmm, load_segment, state_scan
-from torch_gdr.ref.utils import lower_mask
+from torch_gdr.ops.torch.chunk_layout import ChunkLayout, Span, layout_for_call
+from torch_gdr.ops.torch.chunk_states import ChunkStates
+from torch_gdr.ops.torch.segment import Segment, Workspace, batched, bmm, load_segment, state_scan
+from torch_gdr.ops.torch.utils import lower_mask
 
 Tensor = torch.Tensor
 
@@ -81,7 +81,7 @@ def chunk_gated_delta_rule_bwd(
     grad_final_state: Optional[Tensor],
     chunk_states: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Gradients of :func:`torch_gdr.ref.chunk.chunk_gated_delta_rule_fwd` for ``call``.
+    """Gradients of :func:`torch_gdr.ops.torch.chunk.chunk_gated_delta_rule_fwd` for ``call``.
 
     Args:
         call: the forward's call in the canonical layout.

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from torch_gdr.ref.utils import L2NORM_EPS, compute_dtype_for
+from torch_gdr.ops.torch.utils import L2NORM_EPS, compute_dtype_for
 
 Tensor = torch.Tensor
 

@@ -1,7 +1,7 @@
 """The chunk-parallel primitives of the chunked algorithm, shared by its forward and backward.
 
 A *segment* is ``G`` consecutive chunks of the sequences still running (chunk-major
-``[G, NH, C, ...]``, see :mod:`torch_gdr.ref.chunk_layout`). :func:`load_segment` gathers a
+``[G, NH, C, ...]``, see :mod:`torch_gdr.ops.torch.chunk_layout`). :func:`load_segment` gathers a
 segment and computes everything in it that does not depend on the state entering a chunk
 (:class:`Segment`); :func:`state_scan` is the recurrence across its chunks. The large
 temporaries live in a :class:`Workspace` reused by every segment of a call.
@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_gdr.ref.chunk_layout import ChunkLayout, Span
-from torch_gdr.ref.triangular import unit_lower_inverse
-from torch_gdr.ref.utils import lower_mask
+from torch_gdr.ops.torch.chunk_layout import ChunkLayout, Span
+from torch_gdr.ops.torch.triangular import unit_lower_inverse
+from torch_gdr.ops.torch.utils import lower_mask
 
 Tensor = torch.Tensor
 
@@ -208,7 +208,7 @@ def state_scan(seg: Segment, slots: Sequence[Tensor]) -> None:
 
     ``slots``: ``G + 1`` contiguous ``[nh, K, V]`` states; ``slots[0]`` holds ``S_0`` on
     entry, every ``slots[c]`` holds ``S_c`` on return (see
-    :meth:`torch_gdr.ref.chunk_states.ChunkStates.scan_slots`).
+    :meth:`torch_gdr.ops.torch.chunk_states.ChunkStates.scan_slots`).
     """
     # Per-chunk views made once (unbind): indexing in the loop costs Python time per op.
     u, w, k_decayed_t, chunk_decay = (x.unbind(0) for x in (seg.u, seg.w, seg.k_decayed.mT, seg.chunk_decay))

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from torch_gdr._layout import GdrCall
-from torch_gdr.ref.utils import repeat_kv_heads
+from torch_gdr.ops.torch.utils import repeat_kv_heads
 
 Tensor = torch.Tensor
 

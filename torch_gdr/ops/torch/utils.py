@@ -1,4 +1,4 @@
-"""Helpers shared by the reference implementations: dtypes, l2norm, GVA head expansion,
+"""Helpers of the pure-torch engine: dtypes, l2norm, GVA head expansion,
 triangular masks."""
 
 from __future__ import annotations
@@ -7,12 +7,9 @@ import threading
 
 import torch
 
-L2NORM_EPS = 1e-6
+from torch_gdr._layout import L2NORM_EPS, compute_dtype_for
 
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation and state dtype: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = ["L2NORM_EPS", "compute_dtype_for", "l2norm", "lower_mask", "repeat_kv_heads"]
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

@@ -12,10 +12,10 @@ Each sequence is cut into chunks of ``C`` tokens. With ``gamma`` the cumulative 
 
 The call is processed a *segment* of ``G`` chunks at a time (all heads of the sequences
 still running at once, chunk-major ``[G, nh, C, D]``, see
-:mod:`torch_gdr.ref.chunk_layout` and :mod:`torch_gdr.ref.segment`): temporaries stay
+:mod:`torch_gdr.ops.torch.chunk_layout` and :mod:`torch_gdr.ops.torch.segment`): temporaries stay
 O(segment) whatever T is, and every parallel step is one batched matmul over the
 ``G * nh`` chunk matrices of the segment. Only the state recurrence loops over chunks,
-writing into the segment's block of states (:mod:`torch_gdr.ref.chunk_states`; no
+writing into the segment's block of states (:mod:`torch_gdr.ops.torch.chunk_states`; no
 per-chunk copies).
 """
 
@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from torch_gdr._layout import GdrCall
-from torch_gdr.ref.chunk_layout import layout_for_call
-from torch_gdr.ref.chunk_states import ChunkStates
-from torch_gdr.ref.nonfinite import contained
-from torch_gdr.ref.segment import Workspace, batched, bmm, load_segment, state_scan
+from torch_gdr.ops.torch.chunk_layout import layout_for_call
+from torch_gdr.ops.torch.chunk_states import ChunkStates
+from torch_gdr.ops.torch.nonfinite import contained
+from torch_gdr.ops.torch.segment import Workspace, batched, bmm, load_segment, state_scan
 
 Tensor = torch.Tensor
 
@@ -40,8 +40,8 @@ def chunk_gated_delta_rule_fwd(call: GdrCall, save_states: bool = False) -> tupl
     Returns:
         ``o [B, T, HV, V]`` in the dtype of v; the final state ``[N, HV, K, V]`` key-first
         in float32 (float64 for float64 inputs); with ``save_states``, the state entering
-        every chunk (the storage of a :class:`~torch_gdr.ref.chunk_states.ChunkStates`,
-        ``[rows, K, V]``), what :func:`torch_gdr.ref.chunk_backward.chunk_gated_delta_rule_bwd`
+        every chunk (the storage of a :class:`~torch_gdr.ops.torch.chunk_states.ChunkStates`,
+        ``[rows, K, V]``), what :func:`torch_gdr.ops.torch.chunk_backward.chunk_gated_delta_rule_bwd`
         takes as ``chunk_states`` instead of recomputing them; else None.
     """
     # a NaN or inf in k, v, g or beta: kept where the recurrence keeps it

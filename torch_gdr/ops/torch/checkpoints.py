@@ -17,7 +17,7 @@ what vLLM's ``return_intermediate_states`` feeds its prefix cache with):
 
 ``checkpoint_every`` is a positive multiple of the chunk size: then every checkpoint is a
 state at a chunk boundary, which the chunked forward computes anyway. They are read off the
-states the forward keeps for a backward (:mod:`torch_gdr.ref.chunk_states`), so the whole
+states the forward keeps for a backward (:mod:`torch_gdr.ops.torch.chunk_states`), so the whole
 call is one forward pass plus a gather.
 """
 
@@ -28,10 +28,9 @@ from typing import Optional
 import torch
 
 from torch_gdr._layout import canonical_call
-from torch_gdr._validate import check_inputs
-from torch_gdr.ref.chunk import chunk_gated_delta_rule_fwd
-from torch_gdr.ref.chunk_layout import layout_for_call
-from torch_gdr.ref.chunk_states import ChunkStates
+from torch_gdr.ops.torch.chunk import chunk_gated_delta_rule_fwd
+from torch_gdr.ops.torch.chunk_layout import layout_for_call
+from torch_gdr.ops.torch.chunk_states import ChunkStates
 
 Tensor = torch.Tensor
 
@@ -59,7 +58,7 @@ def gather_checkpoints(states: ChunkStates, layout, final_state: Tensor, seq_len
 
     Args:
         states: the forward's :class:`ChunkStates` (``keep=True``) of ``layout``.
-        layout: the call's :class:`~torch_gdr.ref.chunk_layout.ChunkLayout`.
+        layout: the call's :class:`~torch_gdr.ops.torch.chunk_layout.ChunkLayout`.
         final_state: ``[N, HV, K, V]`` in the caller's order of sequences.
         seq_lens: ``L_n`` in the caller's order.
         checkpoint_every: a multiple of ``layout.chunk_size``.
@@ -108,9 +107,10 @@ def chunk_gated_delta_rule_with_checkpoints(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The chunked forward that also returns the state every ``checkpoint_every`` tokens.
 
-    Arguments as :func:`torch_gdr.chunk_gated_delta_rule` (any public layout), plus
-    ``checkpoint_every``, a positive multiple of ``chunk_size``. For inference: nothing
-    returned carries autograd history.
+    Arguments as :func:`torch_gdr.chunk_gated_delta_rule` (any public layout, checked by the
+    caller), plus ``checkpoint_every``, a positive multiple of ``chunk_size`` (checked by the
+    caller with :func:`check_checkpoint_every`). For inference: nothing returned carries
+    autograd history.
 
     Returns:
         ``o`` (shape and dtype of v), the final state ``[N, HV, K, V]``, the checkpoints
@@ -118,12 +118,7 @@ def chunk_gated_delta_rule_with_checkpoints(
         float32, float64 for float64 inputs) and ``checkpoint_offsets [N + 1]`` int64 on
         the inputs' device; see the module docstring for the convention.
 
-    Raises:
-        TypeError, ValueError: as the public call, and for a ``checkpoint_every`` that is
-            not a positive multiple of ``chunk_size``.
     """
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
-    check_checkpoint_every(checkpoint_every, chunk_size)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
                           state_v_first)
     with torch.no_grad():

@@ -1,0 +1,67 @@
+"""Running a selected backend: the chunked call, the step, checkpoints; failures at run time.
+
+A backend whose kernels may fail inside the call (``Backend.may_fail``: a PyPTO build, an
+fla refusal) is run under the policy: the failure raises the backend's error where the
+caller named it (or strict mode is on), and otherwise warns once and runs ``"torch"``.
+Every other backend's exceptions are the caller's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_gdr._fallback import BackendError, failure_reason, refuse_or_warn, strict_mode
+from torch_gdr._layout import GdrCall
+from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, select
+from torch_gdr.ops._backend import CallSpec, OpArgs
+
+Tensor = torch.Tensor
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode on and one requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def run_chunk(args: OpArgs, grad: bool, backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """The chunked call on a checked call (``args`` in the public layouts) on the backend
+    serving it. ``grad``: autograd records the call, so a backend that can keeps the states
+    its backward reads. Returns ``(o, final_state)``, the latter empty unless asked for."""
+    selection = select(CallSpec.of("chunk", args.q, args.v, args.chunk_size, grad), backend)
+    chosen = selection.backend
+    strict = selection.named or strict_mode()
+    if not chosen.may_fail:
+        o, final_state, _ = chosen.forward_op(*args, grad and chosen.keeps_chunk_states, strict)
+        return o, final_state
+    try:
+        o, final_state, _ = chosen.forward_op(*args, grad and chosen.keeps_chunk_states, strict)
+        return o, final_state
+    except BackendError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
+        reason = failure_reason("the kernel", error)
+        if strict:
+            raise chosen.error(f"backend {chosen.name!r} cannot serve this call: {reason}") from error
+    refuse_or_warn(chosen.name, reason, named=False, instead=f"the {UNIVERSAL_BACKEND!r} backend", stacklevel=4)
+    fallback = BACKENDS[UNIVERSAL_BACKEND]
+    o, final_state, _ = fallback.forward_op(*args, grad and fallback.keeps_chunk_states, False)
+    return o, final_state
+
+
+def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """The token-by-token call on a checked call in the canonical layout; returns ``o`` and
+    the key-first final state (canonical layout)."""
+    selection = select(CallSpec.of("step", call.q, call.v, call.chunk_size, grad), backend)
+    return selection.backend.step(call)
+
+
+def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:
+    """The chunked call with checkpoints every ``checkpoint_every`` tokens (inference);
+    returns ``(o, final_state, checkpoints, checkpoint_offsets)``."""
+    selection = select(CallSpec.of("checkpoints", args.q, args.v, args.chunk_size, False), backend)
+    return selection.backend.checkpoints(
+        args.q, args.k, args.v, args.g, args.beta, checkpoint_every, args.scale, args.initial_state,
+        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, cu_seqlens=args.cu_seqlens,
+        chunk_size=args.chunk_size, state_v_first=args.state_v_first)

@@ -1,0 +1,84 @@
+"""The ``"cpu"`` backend's ops: the fused C++ kernels as ``torch.library`` ops.
+
+The schemas and fakes are defined here in Python, and the C++ functions are their
+implementations, so the ops exist (and trace under ``torch.compile``) before the extension
+is built, or where it cannot be: calling one then raises with the reason, and dispatch never
+picks the backend there (:mod:`.backend`).
+
+- ``gdr::_cpu_fwd`` / ``gdr::_cpu_bwd``: the chunked forward (with ``save_chunk_states``
+  the state entering every chunk, ``[total_chunks, HV, K, V]`` float32) and its backward
+  from those states;
+- ``gdr::_cpu_step``: the token-by-token recurrence (decode), inference only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_gdr._layout import GdrCall
+from torch_gdr.ops._define import define_backend, define_backward_op
+from torch_gdr.ops.cpu import kernels
+from torch_gdr.ops.torch.nonfinite import contained
+
+Tensor = torch.Tensor
+
+
+def _forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The fused forward; a NaN or inf spreads as in the recurrence (:mod:`~torch_gdr.ops.torch.nonfinite`)."""
+    return contained(_kernel_forward, call, save_chunk_states)
+
+
+def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    return kernels.chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
+                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states)
+
+
+def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor], chunk_states: Optional[Tensor],
+              strict: bool) -> tuple[Optional[Tensor], ...]:
+    return kernels.chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, call.scale,
+                             call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, chunk_states)
+
+
+def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
+                  use_qk_l2norm: bool) -> list[Optional[int]]:
+    """``[total_chunks, HV, K, V]``: ``B * ceil(T / C)`` chunks for batched calls; with
+    ``cu_seqlens`` a count that follows its values (a data-dependent size in a fake)."""
+    chunks = None
+    if cu_seqlens is None:
+        batch_size, seq_len = (1, v.shape[0]) if v.dim() == 3 else (v.shape[0], v.shape[1])
+        chunks = batch_size * (-(-seq_len // chunk_size))
+    return [chunks, v.shape[-2], q.shape[-1], v.shape[-1]]
+
+
+cpu_bwd = define_backward_op("gdr::_cpu_bwd", _backward)
+cpu_fwd = define_backend("cpu", _forward, cpu_bwd, _states_shape)
+
+
+@torch.library.custom_op("gdr::_cpu_step", mutates_args=())
+def cpu_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
+                cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The fused per-token recurrence on the canonical layout (q, k ``[B, T, H, K]``, v ``[B,
+    T, HV, V]``, g, beta ``[B, T, HV]``, key-first ``initial_state [N, HV, K, V]`` or None,
+    int64 ``cu_seqlens`` or None). Returns ``o`` (v's shape and dtype) and the final state
+    ``[N, HV, K, V]`` float32, a new tensor."""
+    o, final_state = kernels.recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                                           cu_seqlens)
+    if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
+        final_state = final_state.clone()  # an op's output may not alias its input
+    return o, final_state
+
+
+@cpu_step_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_state = v.new_empty((num_seqs, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+    return v.new_empty(v.shape), final_state
+
+
+def cpu_step(call: GdrCall) -> tuple[Tensor, Tensor]:
+    """The step entry on a checked call in the canonical layout."""
+    return cpu_step_op(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
+                       call.use_qk_l2norm, call.cu_seqlens)

@@ -8,7 +8,7 @@ Sections, each returning printable lines:
 - :func:`time_against_fla`: forward and forward + backward at 1 x 32768 and 8 x 4096
   (H16/HV32, K = V = 128, bf16), fla's public call vs torch_gdr's default backend; decode
   (one token, B = 1 and 64) fla's fused recurrent vs torch_gdr's step and the chunked op;
-  ratio = torch_gdr / fla (issue 13: <= 1.1 for the chunked calls, <= 1.3 for decode);
+  ratio = torch_gdr / fla (targets: <= 1.1 for the chunked calls, <= 1.3 for decode);
 - :func:`check_compile`: ``torch.compile(fullgraph=True)`` of a step through
   ``backend="fla"`` (needs the backend registered).
 

@@ -1,6 +1,6 @@
 """The fused CPU kernels (torch_gdr.ops.cpu) against the HF fallback, a GEMM and a state copy,
 timed alternately in the same rounds (see test_bench_paired.py for why), for the
-acceptance lines of issue 15:
+CPU kernels' performance targets:
 
 - forward at 4096x4 and 16384x2: the speed-up over HF and the share of a 2048^3 fp32 GEMM
   timed in the same rounds, by the forward FLOP model of _common.forward_flops;

@@ -5,7 +5,7 @@ floor: any step reads the state and writes a new one).
 Qwen3-Next's linear-attention shape: H = 16 q/k heads, HV = 32 value heads, K = V = 128,
 one token per sequence, float32 state, q/k l2-normalised in the call. Each round times
 one call of each, in alternating order, so that all see the same machine; the ratio is the
-median of the per-round ratios. Acceptance (issue 13): the step is at least 2x faster than
+median of the per-round ratios. Target: the step is at least 2x faster than
 HF's at B = 1 and B = 8.
 
 The ratio depends on glibc's allocator state: HF's step makes several state-sized

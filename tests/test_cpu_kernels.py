@@ -12,10 +12,6 @@ build is reused by every later process).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -194,7 +190,7 @@ def test_half_inputs_accumulate_in_fp32(dtype: torch.dtype) -> None:
 
 
 def _spiky_decay_inputs(spike: float, seq_len: int = 150) -> dict:
-    """g = -0.01 with every 7th token at ``spike`` (issue 16, item 4)."""
+    """g = -0.01 with every 7th token at ``spike`` """
     x = make_forward_inputs(seq_len=seq_len, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
                             with_initial_state=True)
     g = torch.full_like(x["g"], -0.01)

@@ -18,7 +18,7 @@ from tests.helpers import TEST_DEVICE, make_inputs
 from torch_gdr import _fallback
 from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning
 from torch_gdr.dispatch import BACKENDS, CallSpec, registry
-from torch_gdr.ops.pypto import is_pypto_available, kernel_cache, spec
+from torch_gdr.ops.pypto import is_pypto_available, kernel_cache
 
 needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not installed")
 # PyPTO serves CPU (its interpreter) and NPU tensors; on others (TORCH_GDR_TEST_DEVICE=cuda)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_gdr.functional
+from torch_gdr import testing
 from torch_gdr.integrations.transformers import is_patched, remove_torch_gdr, use_torch_gdr
 
 
@@ -38,10 +39,10 @@ def decorator(fn):
 
 
 def make_inputs(seq_len: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seq_len)
-    return dict(query=torch.randn(1, seq_len, 2, 8, generator=g), key=torch.randn(1, seq_len, 2, 8, generator=g),
-                value=torch.randn(1, seq_len, 2, 8, generator=g), g=-torch.rand(1, seq_len, 2, generator=g),
-                beta=torch.rand(1, seq_len, 2, generator=g))
+    """transformers' kernel arguments (query, key, value, g, beta) from the shared factory."""
+    x = testing.make_inputs(seq_len=seq_len, num_qk_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                            dtype=torch.float32, seed=seq_len)
+    return dict(query=x["q"], key=x["k"], value=x["v"], g=x["g"], beta=x["beta"])
 
 
 class AttributeGatedDeltaNet(torch.nn.Module):

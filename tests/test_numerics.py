@@ -1,5 +1,5 @@
 """Extreme inputs: decays down to a full reset (g = -inf) and non-finite values, against the
-recurrence (issue 16, items 4 and 5)."""
+recurrence."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torch_gdr
+from torch_gdr import testing
 
 from torch_gdr.ops.pypto import is_pypto_available
 
@@ -53,25 +53,20 @@ class Case:
 def make_inputs(case: Case, dtype: torch.dtype = torch.float32) -> dict:
     """Packed TND inputs, realistic gates, a random grad_o, and a random final-state gradient
     whenever there is an initial state (a training step that carries a state)."""
-    gen = torch.Generator().manual_seed(case.seed)
-    num_tokens, num_seqs = sum(case.lens), len(case.lens)
-    h, hv, dk, dv = case.num_qk_heads, case.num_v_heads, case.head_k_dim, case.head_v_dim
-    q, k = torch.randn(num_tokens, h, dk, generator=gen), torch.randn(num_tokens, h, dk, generator=gen)
-    if not case.use_qk_l2norm:  # without the in-kernel norm, unnormalised keys make the state blow up
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(num_tokens, hv, dv, generator=gen)
-    g = F.logsigmoid(torch.randn(num_tokens, hv, generator=gen))
+    x = testing.make_inputs(seqlens=case.lens, token_major=True, num_qk_heads=case.num_qk_heads,
+                            num_v_heads=case.num_v_heads, head_k_dim=case.head_k_dim, head_v_dim=case.head_v_dim,
+                            with_initial_state=case.with_initial_state, initial_state_scale=0.5,
+                            # without the in-kernel norm, unnormalised keys make the state blow up
+                            normalize_qk=not case.use_qk_l2norm, seed=case.seed)
     if case.gate is not None:
-        g = torch.full_like(g, case.gate)
-    beta = torch.sigmoid(torch.randn(num_tokens, hv, generator=gen))
-    grad_o = torch.randn(num_tokens, hv, dv, generator=gen)
-    state_shape = (num_seqs, hv, dk, dv)
-    initial_state = 0.5 * torch.randn(*state_shape, generator=gen) if case.with_initial_state else None
-    grad_final_state = torch.randn(*state_shape, generator=gen) if case.with_initial_state else None
-    cu_seqlens = torch.tensor([0, *torch.tensor(case.lens).cumsum(0).tolist()], dtype=torch.int32)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, grad_o=grad_o)
-    inputs = {name: t.to(dtype) for name, t in inputs.items()}
-    return dict(inputs, cu_seqlens=cu_seqlens, initial_state=initial_state, grad_final_state=grad_final_state)
+        x["g"] = torch.full_like(x["g"], case.gate)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    grad_o = torch.randn(x["v"].shape, generator=gen)
+    initial_state = x["initial_state"].float() if case.with_initial_state else None
+    grad_final_state = torch.randn(initial_state.shape, generator=gen) if case.with_initial_state else None
+    inputs = {name: x[name].to(dtype) for name in ("q", "k", "v", "g", "beta")}
+    return dict(inputs, grad_o=grad_o.to(dtype), cu_seqlens=x["cu_seqlens"].int(), initial_state=initial_state,
+                grad_final_state=grad_final_state)
 
 
 def reference_grads(x: dict, *, scale: float, use_qk_l2norm: bool) -> list[Optional[torch.Tensor]]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torch_gdr
+from torch_gdr import testing
 
 from torch_gdr.ops.pypto import is_pypto_available
 
@@ -38,22 +38,14 @@ def make_inputs(
     lens: list[int], *, num_qk_heads: int = 1, num_v_heads: int = 1, head_k_dim: int = 64,
     head_v_dim: int = 64, with_initial_state: bool = False, prenormalised_qk: bool = False, seed: int = 0,
 ) -> dict[str, torch.Tensor | None]:
-    """Packed TND inputs with realistic gates: g = logsigmoid(x), beta = sigmoid(x)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_tokens = sum(lens)
-    q = torch.randn(num_tokens, num_qk_heads, head_k_dim, generator=gen)
-    k = torch.randn(num_tokens, num_qk_heads, head_k_dim, generator=gen)
-    if prenormalised_qk:  # without the in-kernel norm, unnormalised keys make the state blow up
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(num_tokens, num_v_heads, head_v_dim, generator=gen)
-    g = F.logsigmoid(torch.randn(num_tokens, num_v_heads, generator=gen))
-    beta = torch.sigmoid(torch.randn(num_tokens, num_v_heads, generator=gen))
-    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    initial_state = (
-        0.5 * torch.randn(len(lens), num_v_heads, head_k_dim, head_v_dim, generator=gen)
-        if with_initial_state else None
-    )
-    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, initial_state=initial_state)
+    """Packed TND float32 inputs with realistic gates (:func:`torch_gdr.testing.make_inputs`),
+    int32 ``cu_seqlens`` as engines pass them."""
+    x = testing.make_inputs(seqlens=lens, token_major=True, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads,
+                            head_k_dim=head_k_dim, head_v_dim=head_v_dim, with_initial_state=with_initial_state,
+                            initial_state_scale=0.5, normalize_qk=prenormalised_qk, seed=seed, dtype=torch.float32)
+    initial_state = x["initial_state"].float() if with_initial_state else None
+    return dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], cu_seqlens=x["cu_seqlens"].int(),
+                initial_state=initial_state)
 
 
 def reference_tnd(inputs: dict, *, scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +348,7 @@ def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
 
 
 #: The forward's cycle budgets in pypto's cost model (stock SIM, 910B), b=1, H=2, HV=4,
-#: K=V=128, l2norm and initial state on: issue 11's acceptance lines. The model is
+#: K=V=128, l2norm and initial state on: the forward's acceptance budgets. The model is
 #: deterministic; a change that breaks a budget fails here rather than in the next table.
 FORWARD_CYCLE_BUDGETS = [((256,), 276_000), ((1024,), 450_000), ((256,) * 16, 1_200_000), ((4096,), 1_500_000)]
 

@@ -189,3 +189,23 @@ def define_backend(name: str, forward: RawForward, backward_op: Any,
     op.register_fake(fake)
     register_autograd(op, backward_op)
     return op
+
+
+STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+               "bool use_qk_l2norm_in_kernel, Tensor? cu_seqlens) -> (Tensor, Tensor)")
+
+
+def _fake_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_empty(v.shape), v.new_empty((num_seqs, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+
+
+def define_step_op(qualname: str, step: Callable[..., tuple[Tensor, Tensor]]) -> Any:
+    """A backend's token-by-token step as the op ``qualname`` (inference: no autograd), on the
+    canonical layout: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``, a
+    key-first ``initial_state [N, HV, K, V]`` or None, int64 ``cu_seqlens`` or None. ``step``
+    returns ``o`` (v's shape and dtype) and a new key-first final state ``[N, HV, K, V]``
+    float32."""
+    op = torch.library.custom_op(qualname, step, mutates_args=(), schema=STEP_SCHEMA)
+    op.register_fake(_fake_step)
+    return op

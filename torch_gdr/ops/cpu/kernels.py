@@ -56,8 +56,8 @@ def _extension():
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype).contiguous()``, without the two dispatcher calls (about 1 us each, a
-    tenth of a decode step's overhead) when they would return ``t`` itself."""
+    """``t.to(dtype).contiguous()``, without the two dispatcher calls (a noticeable share of a
+    decode step's overhead) when they would return ``t`` itself."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 

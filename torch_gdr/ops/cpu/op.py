@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from torch_gdr._layout import GdrCall
-from torch_gdr.ops._define import define_backend, define_backward_op
+from torch_gdr.ops._define import define_backend, define_backward_op, define_step_op
 from torch_gdr.ops.cpu import kernels
 from torch_gdr.ops.torch.nonfinite import contained
 
@@ -56,14 +56,8 @@ cpu_bwd = define_backward_op("gdr::_cpu_bwd", _backward)
 cpu_fwd = define_backend("cpu", _forward, cpu_bwd, _states_shape)
 
 
-@torch.library.custom_op("gdr::_cpu_step", mutates_args=())
-def cpu_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
-                cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The fused per-token recurrence on the canonical layout (q, k ``[B, T, H, K]``, v ``[B,
-    T, HV, V]``, g, beta ``[B, T, HV]``, key-first ``initial_state [N, HV, K, V]`` or None,
-    int64 ``cu_seqlens`` or None). Returns ``o`` (v's shape and dtype) and the final state
-    ``[N, HV, K, V]`` float32, a new tensor."""
+def _step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
+          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     o, final_state = kernels.recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                            cu_seqlens)
     if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
@@ -71,11 +65,7 @@ def cpu_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     return o, final_state
 
 
-@cpu_step_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final_state = v.new_empty((num_seqs, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
-    return v.new_empty(v.shape), final_state
+cpu_step_op = define_step_op("gdr::_cpu_step", _step)
 
 
 def cpu_step(call: GdrCall) -> tuple[Tensor, Tensor]:

@@ -91,7 +91,7 @@ def backward_refusal_reason() -> Optional[str]:
         getattr(utils, "TRITON_ABOVE_3_7_1", True))
     if hopper and affected and not tilelang_installed():
         return ("fla refuses the gated backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 (wrong results, "
-                "fla issue #640); upgrade Triton to >= 3.7.1 or install tilelang")
+                "a known fla bug); upgrade Triton to >= 3.7.1 or install tilelang")
     return None
 
 

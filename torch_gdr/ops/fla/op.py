@@ -19,7 +19,7 @@ import torch
 
 from torch_gdr._fallback import refuse_or_warn
 from torch_gdr._layout import GdrCall
-from torch_gdr.ops._define import define_backend, define_backward_op
+from torch_gdr.ops._define import define_backend, define_backward_op, define_step_op
 from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
 
 from . import FlaRefusal, fla_chunk_bwd, fla_chunk_fwd, fla_chunk_size, fla_fused_recurrent_fwd
@@ -82,21 +82,12 @@ fla_bwd = define_backward_op("gdr::_fla_bwd", _backward)
 fla_fwd = define_backend("fla", _forward, fla_bwd, _packed_numel)
 
 
-@torch.library.custom_op("gdr::_fla_step", mutates_args=())
-def fla_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
-                cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """fla's fused-recurrent kernel on the canonical layout; returns ``o`` (v's shape and
-    dtype) and the key-first final state ``[N, HV, K, V]`` float32."""
-    o, final_state = fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
-                                             cu_seqlens)
-    return o, final_state
+def _step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
+          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-@fla_step_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    num_seqs = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(v.shape), v.new_empty((num_seqs, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+fla_step_op = define_step_op("gdr::_fla_step", _step)
 
 
 def fla_step(call: GdrCall) -> tuple[Tensor, Tensor]:

@@ -84,11 +84,11 @@ sequence's first head would fill a submission on their own and the heads' serial
 would run one after another; a window keeps every head's chain in flight together.
 
 Scheduling, as pypto 0.2.0's cost model charges it: an AICPU resolving a finished task
-spends 390 cycles per successor while its cores go unpolled, and it polls its twelve
-cores in turn (240 cycles each), handing a core its next task only when a poll finds it
-done: every task costs a core several thousand idle cycles. So nothing is shared across
+spends time per successor while its cores go unpolled, and it polls its cores in turn,
+handing a core its next task only when a poll finds it done: every task costs a core
+idle cycles. So nothing is shared across
 loop bodies (the constant masks are viewed in each chunk: a shared copy with a successor
-in every body stalled its AICPU for tens of thousands of cycles), and the ``ticket`` chain
+in every body stalled its AICPU), and the ``ticket`` chain
 releases a sequence's chunks in order, so the first chunk's dependent tasks are not
 queued behind every later chunk's independent ones.
 
@@ -196,9 +196,9 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
-#: Most chunks of one sequence per launch (see :func:`time_windows`). Measured in the cost
-#: model (b=1, H=2, HV=4, K=V=128, chunk 128, T=4096; bench/RESULTS.md): windows of 8, 16
-#: and 32 chunks run at 358, 316 and 371 cycles a token.
+#: Most chunks of one sequence per launch (see :func:`time_windows`): shorter windows pay
+#: more launches, longer ones serialise more heads' chains in one launch; 16 was the best
+#: of the window sizes compared in the cost model (bench/RESULTS.md).
 WINDOW_CHUNKS = 16
 
 
@@ -575,7 +575,7 @@ def build_gdr_kernel(
         # Cube subgraphs that load the same operand share a task (the two [S; I] products).
         # pg_upper_bound (marked deprecated, still read by 0.2.0's partitioner) lifts the cap
         # on a merged subgraph's size: the solve's chain of matmuls becomes two cube tasks
-        # rather than four (cost model, T=1024: 424k -> 405k cycles, 724 -> 660 tasks).
+        # rather than four (bench/RESULTS.md has the cost model's figures).
         pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
     )
     def gdr_fwd_kernel(

@@ -62,7 +62,7 @@ gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tenso
 
 // Ask Linux to back a large fresh output with transparent huge pages (where the system
 // allows them on request): its first touch, inside the kernels, then costs one page fault
-// per 2 MiB instead of 512, which on a VM is a tenth of the time per token at long T.
+// per 2 MiB instead of 512, a visible share of the time per token at long T on VMs.
 Tensor advise_huge(Tensor t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

@@ -112,8 +112,8 @@ enum WorkspaceSlot { kStore = 0, kScratch = 1 };
 // While alive, the calling thread treats subnormal floats as zero, as inputs and results
 // (x86 MXCSR FTZ and DAZ; restored on exit, so torch's own work on the thread is unchanged).
 // Within a long chunk the decays reach subnormals (exp(-100) at chunk 128 with realistic
-// gates), each of which costs a microcode assist per operation: chunk 128 ran 7x slower than
-// 64 before. Values below 1.2e-38 next to O(1) results change nothing a float32 output shows.
+// gates), each of which costs a microcode assist per operation, which made chunk 128 many
+// times slower than 64. Values below 1.2e-38 next to O(1) results change nothing a float32 output shows.
 struct DenormalsAreZero {
 #if defined(__SSE2__)
   unsigned int saved = _mm_getcsr();

@@ -16,8 +16,8 @@ namespace gdr {
 namespace {
 
 // Columns per block (the AVX-512 path takes blocks of 32 or 16, the rest the generic one):
-// 32 columns of 128 rows are 16 KiB. Measured at K=V=128, two threads,
-// ping-pong out of place: 32 beats 64 (step/copy 1.05 vs 1.20-1.27 at B=1) and 16.
+// 32 columns of 128 rows are 16 KiB, which stay in L1 while the block is rewritten; 32 beat
+// 64 and 16 in the decode bench (bench/RESULTS.md).
 constexpr int64_t kBlock = 32;
 // Tokens whose inputs are prepared together (their q, k, v in float32 in scratch).
 constexpr int64_t kGroup = 8;

@@ -37,18 +37,15 @@ Timer = Callable[[Callable[[], object]], float]
 def fla_public() -> tuple[Optional[Callable], Optional[Callable], Optional[str]]:
     """fla's public chunk and fused-recurrent functions, or the reason they are missing."""
     if not fla_backend.available():
-        return None, None, fla_backend.unavailable_reason(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1),
-                                                          torch.zeros(1, 1, 1, 1))
+        return None, None, fla_backend.load_reason()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, None
 
 
 def step_function() -> Callable:
-    """torch_gdr's public step when the lead has exported it (with its CUDA routing), else the reference."""
-    from torch_gdr.ops.torch.fused_recurrent import fused_recurrent_gated_delta_rule
-
-    return getattr(torch_gdr, "fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule)
+    """torch_gdr's public step (the device's default backend)."""
+    return torch_gdr.fused_recurrent_gated_delta_rule
 
 
 def make_inputs(batch: int, seq_len: int, heads: int, v_heads: int, dim: int, dtype: torch.dtype, device: str,

@@ -350,3 +350,26 @@ def test_fla_is_the_default_on_cuda_where_it_imports(standin) -> None:
 
     assert registry.default_backend(torch.device("cpu")) == "cpu"
     assert registry.default_backend(torch.device("cuda")) == "fla"
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_fla_under_torch_compile_fullgraph(standin, any_device, monkeypatch, named: bool) -> None:
+    """Whether fla imports is decided outside the traced graph: a compiled call through the
+    "fla" backend (named, or the device's default) traces without tracing the loader."""
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    monkeypatch.setitem(registry.DEVICE_ORDERS, ("chunk", "cpu"), ("fla", "torch"))
+    x = _inputs(batch_size=2, seq_len=20, num_qk_heads=1, num_v_heads=2, with_initial_state=True)
+
+    def call(q, k, v, g, beta, h0):
+        return torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                chunk_size=16, backend="fla" if named else None)
+
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    torch._dynamo.reset()
+    fla_backend.reset()  # the first traced call decides availability afresh
+    o, s = torch.compile(call, fullgraph=True)(*args)
+    expected = torch_gdr.chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
+                                                chunk_size=16, backend="torch")
+    torch.testing.assert_close(o, expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, expected[1], atol=1e-5, rtol=1e-5)
+    assert "fwd" in standin.calls

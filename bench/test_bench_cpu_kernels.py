@@ -96,8 +96,8 @@ def test_cpu_forward_paired(benchmark, requires_hf, shape):
              "gemm": lambda: torch.mm(a, b, out=product)}
     with torch.no_grad():
         times = benchmark.pedantic(_alternate, args=(calls, 7 if seq_len <= 4096 else 5), rounds=1, iterations=1)
-    # the FLOP model of the chunk the kernel runs (a forward without states: kernel_chunk_size)
-    flops = forward_flops(batch * seq_len, heads, dim, cpu.kernel_chunk_size(CHUNK, False))
+    # the FLOP model of the chunk the kernel runs (a forward without states: forward_chunk_size)
+    flops = forward_flops(batch * seq_len, heads, dim, cpu.forward_chunk_size(CHUNK, False))
     gemm_flops = 2 * GEMM_SIZE**3
     speedups = [h / c for c, h in zip(times["cpu"], times["hf"])]
     shares = [100 * flops * tg / (gemm_flops * tc) for tc, tg in zip(times["cpu"], times["gemm"])]

@@ -96,8 +96,8 @@ def test_forward_without_states_runs_at_most_chunk_32(chunk_size: int, kernel_ch
     """A forward that keeps no chunk states runs at ``min(chunk_size, 32)`` (fewer
     intra-chunk FLOPs); its result is that of the forward at the caller's chunk, which
     keeps them, and of the float64 recurrence."""
-    assert cpu.kernel_chunk_size(chunk_size, False) == kernel_chunk
-    assert cpu.kernel_chunk_size(chunk_size, True) == chunk_size
+    assert cpu.forward_chunk_size(chunk_size, False) == kernel_chunk
+    assert cpu.forward_chunk_size(chunk_size, True) == chunk_size
     ref = make_forward_inputs(seqlens=[130, 1, 169], num_qk_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32,
                               with_initial_state=True)
     expected_o, expected_s = naive_recurrent_gated_delta_rule(**ref, use_qk_l2norm_in_kernel=True)

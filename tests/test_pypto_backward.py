@@ -24,8 +24,8 @@ if not is_pypto_available():
 
 from torch_gdr.ops.pypto import backward as pypto_backward  # noqa: E402
 from torch_gdr.ops.pypto import kernel_chunk_size  # noqa: E402
+from torch_gdr.ops.pypto.kernel import chunk_offsets  # noqa: E402
 from torch_gdr.ops.pypto.backward import (  # noqa: E402
-    chunk_offsets_for,
     chunk_states_torch,
     pypto_chunk_gated_delta_rule_bwd,
 )
@@ -223,7 +223,7 @@ def test_chunk_states_are_the_recurrence_states_at_chunk_boundaries(lens: list[i
     x = make_inputs(case)
     states = chunk_states_torch(l2norm(x["k"]), x["v"], x["g"], x["beta"], x["cu_seqlens"], x["initial_state"],
                                 chunk_size)
-    offsets = chunk_offsets_for(x["cu_seqlens"], chunk_size).tolist()
+    offsets = chunk_offsets(x["cu_seqlens"], chunk_size).tolist()
     bounds = x["cu_seqlens"].tolist()
     assert states.shape == (offsets[-1], 2, 16, 8) and states.dtype == torch.float32
     for n, length in enumerate(lens):

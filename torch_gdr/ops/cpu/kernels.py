@@ -84,7 +84,7 @@ def _scale(scale: Optional[float], q: Tensor) -> float:
     return float(default_scale(q.shape[-1]) if scale is None else scale)
 
 
-def kernel_chunk_size(chunk_size: int, save_states: bool) -> int:
+def forward_chunk_size(chunk_size: int, save_states: bool) -> int:
     """The chunk length the kernels run a forward with: the caller's where the chunk states
     are kept, else at most :data:`FORWARD_ONLY_CHUNK`."""
     return int(chunk_size) if save_states else min(int(chunk_size), FORWARD_ONLY_CHUNK)
@@ -93,7 +93,7 @@ def kernel_chunk_size(chunk_size: int, save_states: bool) -> int:
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
               save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The chunked forward; the kernels run it at :func:`kernel_chunk_size`.
+    """The chunked forward; the kernels run it at :func:`forward_chunk_size`.
 
     Returns:
         ``o [B, T, HV, V]`` in v's dtype, the final state ``[N, HV, K, V]`` float32, and with
@@ -104,7 +104,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     ext = _extension()
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
-                                           bool(use_qk_l2norm), cu, kernel_chunk_size(chunk_size, save_states),
+                                           bool(use_qk_l2norm), cu, forward_chunk_size(chunk_size, save_states),
                                            bool(save_states), True, STAGES)
     return o, final_state, (states if save_states else None)
 

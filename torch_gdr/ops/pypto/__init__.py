@@ -5,8 +5,7 @@ Importing this package does not import pypto; the first kernel build does (see `
 
 from typing import NamedTuple
 
-from . import backward as _backward
-from . import kernel_cache as _forward_cache
+from . import kernel_cache as _caches
 from ._env import PyptoUnavailableError, cache_dir, import_pypto, is_pypto_available
 from .backward import pypto_chunk_gated_delta_rule_bwd
 from .forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd
@@ -17,19 +16,19 @@ class KernelCaches(NamedTuple):
     """The compiled-kernel caches: forward kernels (hits, misses, keys) and backward kernels
     (hits, misses, keys, launches)."""
 
-    forward: _forward_cache.CacheInfo
-    backward: _backward.BwdCacheInfo
+    forward: _caches.CacheInfo
+    backward: _caches.BwdCacheInfo
 
 
 def cache_info() -> KernelCaches:
     """What the forward and the backward kernel caches hold, each apart."""
-    return KernelCaches(_forward_cache.cache_info(), _backward.bwd_cache_info())
+    return KernelCaches(_caches.cache_info(), _caches.bwd_cache_info())
 
 
 def cache_clear() -> None:
     """Drop every cached forward and backward kernel and reset the statistics."""
-    _forward_cache.cache_clear()
-    _backward.bwd_cache_clear()
+    _caches.cache_clear()
+    _caches.bwd_cache_clear()
 
 __all__ = [
     "KernelCaches",

@@ -14,16 +14,15 @@ The per-chunk states ``[C, HV, K, V]`` (fp32, key-first, the state entering each
 sequence n's chunk c at row ``chunk_offsets[n] + c``) come from the forward kernel; when
 the caller has none, :func:`chunk_states_torch` computes them in pure torch.
 
-Backward kernels have their own cache (:func:`get_gdr_bwd_kernel`, :func:`bwd_cache_info`,
-keys with ``kind == "bwd"``), and every launch is counted (:func:`launch_count`).
+Backward kernels have their own cache in :mod:`.kernel_cache` (:func:`get_gdr_bwd_kernel`,
+:func:`bwd_cache_info`, keys with ``kind == "bwd"``), and every launch is counted
+(:func:`launch_count`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -33,7 +32,8 @@ from torch_gdr.ops.torch.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 from . import interpreter
 from .kernel import chunk_offsets
 from .kernel_bwd import build_gdr_bwd_kernel, bwd_chunk_masks
-from .kernel_cache import KernelCache
+from .kernel_cache import (BwdCacheInfo, BwdKernelKey, _count_launch, bwd_cache_clear, bwd_cache_info,  # noqa: F401
+                           get_gdr_bwd_kernel, launch_count)
 from .spec import CHUNK_SIZES
 
 Tensor = torch.Tensor
@@ -46,80 +46,7 @@ KernelGetter = Callable[..., Any]
 _OUTPUT_ARGS = (12, 13, 14, 15, 16, 17)
 
 
-# --------------------------------------------------------------------------- kernel cache
-
-
-@dataclass(frozen=True)
-class BwdKernelKey:
-    """Everything a backward kernel is specialised on; ``kind`` tells it from forward keys."""
-
-    num_seqs: int
-    num_qk_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    chunk_size: int
-    scale: float
-    on_device: bool
-    kind: str = field(default="bwd")
-
-
-class BwdCacheInfo(NamedTuple):
-    """Backward-kernel cache statistics: lookups served, kernels built, keys held, launches."""
-
-    hits: int
-    misses: int
-    keys: tuple[BwdKernelKey, ...]
-    launches: int
-
-
-_kernels = KernelCache(BwdKernelKey, lambda **config: build_gdr_bwd_kernel(**config))
-_launch_lock = threading.Lock()
-_launches = 0
-
-
-def get_gdr_bwd_kernel(*, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
-    """The backward kernel for ``config`` (fields of :class:`BwdKernelKey` but ``kind``), built once.
-
-    ``builder`` (default :func:`.kernel_bwd.build_gdr_bwd_kernel`) is called on a miss with
-    the same keyword arguments.
-    """
-    return _kernels.get(builder, **config)
-
-
-def bwd_cache_info() -> BwdCacheInfo:
-    """Hits, misses (= kernels built), the keys held, and the launches since the last clear."""
-    info = _kernels.info()
-    with _launch_lock:
-        return BwdCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, launches=_launches)
-
-
-def bwd_cache_clear() -> None:
-    """Drop every cached backward kernel and reset the statistics (launches included)."""
-    global _launches
-    _kernels.clear()
-    with _launch_lock:
-        _launches = 0
-
-
-def launch_count() -> int:
-    """How many times a backward kernel was launched (by any getter) since the last clear."""
-    with _launch_lock:
-        return _launches
-
-
-def _count_launch() -> None:
-    global _launches
-    with _launch_lock:
-        _launches += 1
-
-
 # --------------------------------------------------------------------------- chunk states
-
-
-def chunk_offsets_for(cu_seqlens: Tensor, chunk_size: int) -> Tensor:
-    """``[N + 1]`` int64 on the CPU: exclusive cumsum of ``ceil(len_n / l)``, then the total."""
-    return chunk_offsets(cu_seqlens.to("cpu"), chunk_size)
 
 
 def chunk_states_torch(
@@ -136,12 +63,12 @@ def chunk_states_torch(
 
     Returns:
         ``[C, HV, K, V]`` float32, key-first; sequence n's chunk c at row
-        ``chunk_offsets_for(cu_seqlens, l)[n] + c``.
+        ``chunk_offsets(cu_seqlens, l)[n] + c``.
     """
     dtype, device = torch.float32, v.device
     num_v_heads, head_k_dim, head_v_dim = v.shape[1], k.shape[-1], v.shape[-1]
     bounds = cu_seqlens.to("cpu", torch.int64).tolist()
-    offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    offsets = chunk_offsets(cu_seqlens.to("cpu"), chunk_size)
     out = torch.empty(int(offsets[-1]), num_v_heads, head_k_dim, head_v_dim, dtype=dtype, device=device)
     keys = repeat_kv_heads(k.to(dtype), num_v_heads).transpose(0, 1)  # [HV, T, K]
     values = v.to(dtype).transpose(0, 1)  # [HV, T, V]
@@ -276,8 +203,8 @@ def launch_backward(
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     num_seqs = cu_seqlens.numel() - 1
-    chunk_offsets = chunk_offsets_for(cu_seqlens, chunk_size)
-    _check_bwd_args(grad_o, grad_final_state, v, num_seqs, head_k_dim, chunk_states, int(chunk_offsets[-1]))
+    first_chunks = chunk_offsets(cu_seqlens.to("cpu"), chunk_size)
+    _check_bwd_args(grad_o, grad_final_state, v, num_seqs, head_k_dim, chunk_states, int(first_chunks[-1]))
 
     def fp32(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=torch.float32).contiguous()
@@ -323,7 +250,7 @@ def launch_backward(
         q32.view(num_tokens, -1), k32.view(num_tokens, -1), fp32(v).view(num_tokens, -1), fp32(g), fp32(beta),
         fp32(grad_o).view(num_tokens, -1),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
-        chunk_offsets.to(device=device, dtype=torch.int32),
+        first_chunks.to(device=device, dtype=torch.int32),
         bwd_chunk_masks(chunk_size).to(device),
         torch.eye(head_k_dim, device=device),
         fp32(chunk_states),
@@ -366,7 +293,7 @@ def build_bwd_for_cost_model(
     gen = torch.Generator().manual_seed(seed)
     num_tokens, num_seqs = sum(lens), len(lens)
     cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    offsets = chunk_offsets_for(cu_seqlens, chunk_size)
+    offsets = chunk_offsets(cu_seqlens.to("cpu"), chunk_size)
     state_shape = (num_seqs, v_heads, head_k_dim, head_v_dim)
 
     def randn(*shape: int) -> Tensor:

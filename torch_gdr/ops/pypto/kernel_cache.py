@@ -1,7 +1,9 @@
-"""Cache of built PyPTO kernels, one per concrete configuration.
+"""The caches of built PyPTO kernels, forward and backward, one kernel per concrete
+configuration, each thread-safe.
 
 Everything :func:`torch_gdr.ops.pypto.kernel.build_gdr_kernel` specialises on is part of
-the key: sequences N (b), heads H and HV (nv), head dims K and V, chunk length l, the
+the forward key (:class:`KernelKey`; the backward's, :class:`BwdKernelKey`, likewise for
+:func:`~torch_gdr.ops.pypto.kernel_bwd.build_gdr_bwd_kernel`): sequences N (b), heads H and HV (nv), head dims K and V, chunk length l, the
 l2-norm flag, the scale, whether an initial state is read, and the run target (NPU device
 or the CPU interpreter). A key is built once and reused after.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 
@@ -117,3 +119,74 @@ def cache_info() -> CacheInfo:
 def cache_clear() -> None:
     """Drop every cached forward kernel and reset the statistics."""
     _forward_kernels.clear()
+
+
+def _default_bwd_builder(**config: Any) -> Any:
+    from .kernel_bwd import build_gdr_bwd_kernel
+
+    return build_gdr_bwd_kernel(**config)
+
+
+@dataclass(frozen=True)
+class BwdKernelKey:
+    """Everything a backward kernel is specialised on; ``kind`` tells it from forward keys."""
+
+    num_seqs: int
+    num_qk_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    chunk_size: int
+    scale: float
+    on_device: bool
+    kind: str = field(default="bwd")
+
+
+class BwdCacheInfo(NamedTuple):
+    """Backward-kernel cache statistics: lookups served, kernels built, keys held, launches."""
+
+    hits: int
+    misses: int
+    keys: tuple[BwdKernelKey, ...]
+    launches: int
+
+
+_backward_kernels = KernelCache(BwdKernelKey, lambda **config: _default_bwd_builder(**config))
+_launch_lock = threading.Lock()
+_launches = 0
+
+
+def get_gdr_bwd_kernel(*, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
+    """The backward kernel for ``config`` (fields of :class:`BwdKernelKey` but ``kind``), built once.
+
+    ``builder`` (default :func:`.kernel_bwd.build_gdr_bwd_kernel`) is called on a miss with
+    the same keyword arguments.
+    """
+    return _backward_kernels.get(builder, **config)
+
+
+def bwd_cache_info() -> BwdCacheInfo:
+    """Hits, misses (= kernels built), the keys held, and the launches since the last clear."""
+    info = _backward_kernels.info()
+    with _launch_lock:
+        return BwdCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, launches=_launches)
+
+
+def bwd_cache_clear() -> None:
+    """Drop every cached backward kernel and reset the statistics (launches included)."""
+    global _launches
+    _backward_kernels.clear()
+    with _launch_lock:
+        _launches = 0
+
+
+def launch_count() -> int:
+    """How many times a backward kernel was launched (by any getter) since the last clear."""
+    with _launch_lock:
+        return _launches
+
+
+def _count_launch() -> None:
+    global _launches
+    with _launch_lock:
+        _launches += 1

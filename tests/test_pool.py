@@ -420,3 +420,139 @@ def test_rejected_call_leaves_pool_untouched() -> None:
         with pytest.raises(ValueError, match=re.escape("num_accepted_tokens")):
             _decode(impl, pool=pool, acc=torch.tensor([0, 1]))
     assert torch.equal(buffer, before)
+
+
+# ------------------------------------------------------------------------------------------------
+# A serving simulation.
+
+
+class Request:
+    """One request's token stream (inputs fixed up front) and its bookkeeping."""
+
+    def __init__(self, rid: int, prompt: int, total: int, x: dict, hit: Optional[tuple[int, int]],
+                 own_checkpoint: int):
+        self.rid, self.prompt, self.total, self.x = rid, prompt, total, x  # x: q..beta of [1, total, ...]
+        self.hit = hit  # (source request, stream position of its checkpoint) or None
+        self.start = hit[1] if hit else 0  # first stream position this request computes itself
+        self.own_checkpoint = own_checkpoint  # stream position of the checkpoint its prefill writes
+        self.done = self.start  # stream positions processed so far
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.block: list[int] = []  # its decode rows
+        self.accepted = 1
+
+
+def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec_width: int = 3,
+                     max_running: int = 12) -> None:
+    rng = random.Random(seed)
+    h, hv, dk, dv = 1, 2, 16, 8
+    cache_rows = list(range(num_requests))  # prefix cache: one checkpoint row per request, kept
+    free_rows = list(range(num_requests, num_requests + max_running * spec_width + 8))
+    pool = torch.zeros(free_rows[-1] + 1, hv, dk, dv)
+    pool[num_requests:] = float("nan")  # a row read before it is written poisons the outputs
+    storage = pool.untyped_storage().data_ptr()
+
+    requests: list[Request] = []
+    checkpoints: dict[int, int] = {}  # request -> stream position of its checkpoint
+    for rid in range(num_requests):
+        prompt = rng.randint(1, 40)
+        hit = None
+        if rid >= 4 and rng.random() < 0.35:
+            source = rng.randrange(rid)
+            hit = (source, checkpoints[source])
+            prompt = max(prompt, hit[1])  # a prompt may be all cached (prefill of no tokens)
+        total = prompt + rng.randint(1, 10)
+        x = make_inputs(seqlens=[total], num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                        dtype=torch.float32, seed=seed * 1000 + rid)
+        x.pop("cu_seqlens")
+        if hit:  # the shared prefix: the source's first tokens
+            for f in FIELDS:
+                x[f][:, :hit[1]] = requests[hit[0]].x[f][:, :hit[1]]
+        start = hit[1] if hit else 0
+        checkpoints[rid] = rng.randint(start, prompt)
+        requests.append(Request(rid, prompt, total, x, hit, checkpoints[rid]))
+
+    waiting = list(requests)
+    prefilled: set[int] = set()
+    running: list[Request] = []
+    steps = 0
+    while waiting or running:
+        steps += 1
+        assert steps < 10 * num_requests, "the loop does not progress"
+        # Admit: a prefix hit waits until its source's checkpoint was written by an earlier call.
+        admitted: list[Request] = []
+        while waiting and len(running) + len(admitted) < max_running:
+            r = waiting[0]
+            if r.hit and r.hit[0] not in prefilled:
+                break
+            waiting.pop(0)
+            r.block = [free_rows.pop() for _ in range(spec_width)]
+            admitted.append(r)
+        if admitted:  # one prefill call, packed
+            pieces = [{f: r.x[f][:, r.start:r.prompt] for f in FIELDS} for r in admitted]
+            lens = [r.prompt - r.start for r in admitted]
+            cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            with torch.no_grad():
+                o = _pool.pool_chunk_prefill(
+                    *(torch.cat([p[f] for p in pieces], dim=1) for f in FIELDS), None, pool,
+                    initial_state_indices=torch.tensor([cache_rows[r.hit[0]] if r.hit else -1 for r in admitted]),
+                    final_state_indices=torch.tensor([r.block[0] for r in admitted]),
+                    checkpoint_offsets=torch.tensor([[r.own_checkpoint - r.start] for r in admitted]),
+                    checkpoint_indices=torch.tensor([[cache_rows[r.rid]] for r in admitted]), cu_seqlens=cu,
+                    chunk_size=16)
+            for i, r in enumerate(admitted):
+                for p in range(lens[i]):
+                    r.outputs[r.start + p] = o[0, cu[i] + p]
+                r.done, r.accepted = r.prompt, 1
+                prefilled.add(r.rid)
+            running.extend(admitted)
+        decoding = [r for r in running if r.rid in prefilled and r.done < r.total and r not in admitted]
+        if decoding:  # one decode step: plain or speculative, plus a padding sequence
+            widths = [rng.choice([1, spec_width]) for _ in decoding]
+            counts = [min(w, r.total - r.done) for w, r in zip(widths, decoding)]
+            tokens = {f: torch.cat([r.x[f][:, r.done:r.done + c] for r, c in zip(decoding, counts)]
+                                   + [torch.randn(1, 1, *r.x[f].shape[2:]) for r in decoding[:1]], dim=1)
+                      for f in FIELDS}
+            tokens["g"] = -tokens["g"].abs()
+            lens = counts + [1]
+            cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            indices = torch.tensor([r.block for r in decoding] + [[-1] * spec_width])
+            accepted = torch.tensor([r.accepted for r in decoding] + [1])
+            with torch.no_grad():
+                o = step(*(tokens[f] for f in FIELDS), None, pool, indices, accepted, cu_seqlens=cu)
+            for i, (r, c) in enumerate(zip(decoding, counts)):
+                keep = rng.randint(1, c)  # drafts past the accepted ones are thrown away
+                for p in range(keep):
+                    r.outputs[r.done + p] = o[0, cu[i] + p]
+                r.done += keep
+                r.accepted = keep
+        for r in [r for r in running if r.done >= r.total]:
+            running.remove(r)
+            for row in r.block:
+                pool[row] = float("nan")  # freed: any later read of it would show
+            free_rows.extend(r.block)
+        assert pool.untyped_storage().data_ptr() == storage
+
+    for r in requests:
+        ref, _ = naive_recurrent_gated_delta_rule(*(r.x[f].double() for f in FIELDS), None, None, False)
+        positions = list(range(r.start, r.total))
+        assert sorted(r.outputs) == positions, f"request {r.rid} skipped tokens"
+        out = torch.stack([r.outputs[p] for p in positions])
+        assert rel_err(ref[0, r.start:], out) < 1e-5, f"request {r.rid}"
+    assert sum(1 for r in requests if r.hit) >= 5
+
+
+@pytest.mark.parametrize("impl", sorted(STEPS))
+def test_serving_simulation(impl: str) -> None:
+    """64 requests of random lengths arrive and leave over a continuous-batching loop: packed
+    prefills (prefix hits restored from checkpoint rows other requests wrote), decode steps
+    mixing one-token and speculative sequences with random acceptance and a padding sequence
+    of -1 rows; every output equals its request run alone, the pool is never reallocated, and
+    freed rows (poisoned with NaN) never leak into another request."""
+    simulate_serving(STEPS[impl])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("impl", sorted(STEPS))
+def test_serving_simulation_more_seeds(impl: str, seed: int) -> None:
+    simulate_serving(STEPS[impl], seed=seed, spec_width=4, max_running=20)

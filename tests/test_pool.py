@@ -538,6 +538,11 @@ def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec
         assert sorted(r.outputs) == positions, f"request {r.rid} skipped tokens"
         out = torch.stack([r.outputs[p] for p in positions])
         assert rel_err(ref[0, r.start:], out) < 1e-5, f"request {r.rid}"
+        # The prefix cache row holds the request's state at its checkpoint, nothing else's.
+        _, state = naive_recurrent_gated_delta_rule(*(r.x[f][:, :r.own_checkpoint].double() for f in FIELDS), None,
+                                                    None, True)
+        assert rel_err(state[0], pool[cache_rows[r.rid]]) < 1e-5, f"checkpoint of request {r.rid}"
+    assert bool(pool[num_requests:].isnan().all()), "a decode row was written after its request left"
     assert sum(1 for r in requests if r.hit) >= 5
 
 

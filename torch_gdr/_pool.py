@@ -351,7 +351,8 @@ def pool_gather(pool: Tensor, initial_state_indices: Tensor, state_v_first: bool
 def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, state_v_first: bool = False) -> None:
     """Write key-first states ``[N, HV, K, V]`` (any float dtype; rounded to the pool's) into
     rows ``final_state_indices [N]`` of the pool, in place; rows -1 are skipped. Rows must be
-    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated."""
+    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated. Rows -1
+    are dropped by a boolean mask, which on an accelerator is a host sync."""
     rows = final_state_indices.to(device=pool.device, dtype=torch.int64)
     keep = rows >= 0
     if not bool(keep.all()):

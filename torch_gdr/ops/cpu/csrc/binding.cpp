@@ -166,6 +166,58 @@ std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor
   return {o, final_state};
 }
 
+// The recurrence over a state pool, in place -> o. pool [slots, HV, K, V] ([slots, HV, V, K]
+// with v_first) float32/bfloat16/float16 with contiguous rows; indices int64 [N, width];
+// read_pos int64 [N] (the column each sequence starts from) or None (column 0). The Python
+// wrapper (torch_gdr/ops/cpu/pool.py) checks the rules of a pool call (no row written twice,
+// ...); this checks what would make the kernel read or write out of bounds.
+Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                          double scale, const Tensor& pool, const Tensor& indices, const optional<Tensor>& read_pos,
+                          bool l2norm, const optional<Tensor>& cu_seqlens, bool v_first) {
+  gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
+  check_inputs(p, q, k, v, g, beta);
+  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 4, "pool: expected a 4-D CPU tensor");
+  const int64_t inner1 = v_first ? p.V : p.K, inner2 = v_first ? p.K : p.V;
+  TORCH_CHECK(pool.size(1) == p.HV && pool.size(2) == inner1 && pool.size(3) == inner2,
+              "pool: expected [slots, HV, ", v_first ? "V, K" : "K, V", "] = [slots, ", p.HV, ", ", inner1, ", ",
+              inner2, "], got ", pool.sizes());
+  TORCH_CHECK(pool.stride(3) == 1 && pool.stride(2) == inner2 && pool.stride(1) == inner1 * inner2 &&
+                  pool.stride(0) >= p.HV * p.K * p.V,
+              "pool: expected contiguous rows, got strides ", pool.strides());
+  const int64_t slots = pool.size(0), num = p.num_seqs();
+  TORCH_CHECK(indices.device().is_cpu() && indices.is_contiguous() && indices.scalar_type() == at::kLong &&
+                  indices.dim() == 2 && indices.size(0) == num && indices.size(1) >= 1,
+              "indices: expected a contiguous int64 CPU tensor [N, width] with N = ", num);
+  const int64_t width = indices.size(1);
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i)
+    TORCH_CHECK(idx[i] >= -1 && idx[i] < slots, "indices: row ", idx[i], " outside [-1, ", slots, ")");
+  for (int64_t n = 0; n < num; ++n)
+    TORCH_CHECK(p.len[n] <= width, "indices: sequence ", n, " has ", p.len[n], " tokens, more than width ", width);
+  const int64_t* pos = nullptr;
+  if (read_pos.has_value() && read_pos->defined()) {
+    check(*read_pos, "read_pos", at::kLong, num);
+    pos = read_pos->data_ptr<int64_t>();
+    for (int64_t n = 0; n < num; ++n)
+      TORCH_CHECK(pos[n] >= 0 && pos[n] < width, "read_pos: ", pos[n], " outside [0, ", width, ")");
+  }
+  gdr::PoolArgs args;
+  args.pool = pool.data_ptr();
+  args.dtype = dtype_of(pool);
+  args.row_stride = pool.stride(0);
+  args.v_first = v_first;
+  args.indices = idx;
+  args.width = width;
+  args.read_pos = pos;
+  Tensor o = at::empty(v.sizes(), v.options());
+  {
+    pybind11::gil_scoped_release no_gil;
+    gdr::pool_recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
+                            beta.data_ptr<float>(), args, o.data_ptr());
+  }
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -173,4 +225,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_fwd", &chunk_fwd);
   m.def("chunk_bwd", &chunk_bwd);
   m.def("recurrent_fwd", &recurrent_fwd);
+  m.def("pool_recurrent_fwd", &pool_recurrent_fwd);
 }

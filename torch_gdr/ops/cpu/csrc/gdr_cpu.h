@@ -51,4 +51,24 @@ void chunk_bwd(const Problem& p, const void* grad_o, const float* grad_final, co
 void recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
                    const float* beta, const float* initial, void* o, float* final_state);
 
+// A state pool for pool_recurrent_fwd: rows [slots, HV, K, V] (value-first [slots, HV, V, K])
+// in `dtype`, row r at pool + r * row_stride elements, each row's inner dims contiguous.
+// Sequence n starts from row indices[n * width + (read_pos ? read_pos[n] : 0)] and writes the
+// state after its token j to row indices[n * width + j] (len[n] <= width); row -1 reads as
+// zeros and is never written. The caller guarantees rows in [-1, slots), no row written twice
+// and no row written by one sequence and read by another.
+struct PoolArgs {
+  void* pool = nullptr;
+  DType dtype = DType::Float;
+  int64_t row_stride = 0;
+  bool v_first = false;
+  const int64_t* indices = nullptr;   // [N, width]
+  int64_t width = 1;
+  const int64_t* read_pos = nullptr;  // [N] or null
+};
+
+// The per-token recurrence over a pool, in place (float32 compute, rounded on store).
+void pool_recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
+                        const float* beta, const PoolArgs& pool, void* o);
+
 }  // namespace gdr

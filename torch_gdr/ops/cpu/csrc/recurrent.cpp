@@ -204,6 +204,133 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
       /*contiguous=*/true);
 }
 
+// ---------------------------------------------------------------------------------------
+// The same recurrence over a state pool, in place (see gdr_cpu.h: PoolArgs).
+//
+// A float32 key-first pool is computed on directly: token c of a sequence reads the state
+// the token before it left (the start row for the first) and writes its row, column block by
+// column block, as above (columns evolve independently, so a block of the start row is read
+// before any token overwrites it, even when a later token's row is the start row). Rows -1
+// go to a thread-local buffer instead. Other pools (bfloat16, float16, value-first) are
+// loaded once into a float32 key-first buffer that the tokens update in place, each token's
+// block rounded into its row right after it is computed.
+
+// Copy the block of columns [j0, j0 + w) of a key-first float32 state into a pool head
+// (rounded to P; value-first transposes).
+template <typename P>
+inline void store_state_block(const float* state, P* head, int64_t K, int64_t V, int64_t j0, int64_t w,
+                              bool v_first) {
+  if (v_first) {
+    for (int64_t j = j0; j < j0 + w; ++j) {
+      P* out = head + j * K;
+      for (int64_t r = 0; r < K; ++r) out[r] = from_float<P>(state[r * V + j]);
+    }
+  } else {
+    for (int64_t r = 0; r < K; ++r) store_row(state + r * V + j0, head + r * V + j0, w);
+  }
+}
+
+// A pool head into a key-first float32 state.
+template <typename P>
+inline void load_state(const P* head, float* state, int64_t K, int64_t V, bool v_first) {
+  if (v_first) {
+    for (int64_t j = 0; j < V; ++j) {
+      const P* in = head + j * K;
+      for (int64_t r = 0; r < K; ++r) state[r * V + j] = to_float(in[r]);
+    }
+  } else {
+    load_row(head, state, K * V);
+  }
+}
+
+template <typename T, typename P>
+void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+                const PoolArgs& a, T* o) {
+  const int64_t K = p.K, V = p.V, H = p.H, HV = p.HV, group = p.group();
+  const int64_t state_size = K * V;
+  const int64_t token_floats = 2 * K + V;
+  P* pool = static_cast<P*>(a.pool);
+  const bool direct = std::is_same_v<P, float> && !a.v_first;
+  auto head_of = [&](int64_t row, int64_t h) { return pool + row * a.row_stride + h * state_size; };
+  auto start_row = [&](int64_t n) { return a.indices[n * a.width + (a.read_pos ? a.read_pos[n] : 0)]; };
+  const int64_t items = p.num_seqs() * HV;
+  parallel_items(
+      p.threads, items, kGroup * token_floats + 3 * kBlock + state_size,
+      [&](float* scratch, int64_t i) {
+        const int64_t n = i / HV, h = i % HV, hk = h / group;
+        if (p.len[n] == 0) return;  // no token: nothing read, nothing written
+        float* block_scratch = scratch + kGroup * token_floats;
+        float* work = block_scratch + 3 * kBlock;  // [K, V]: the state where it has no float32 row
+        const int64_t r0 = start_row(n);
+        const float* src = nullptr;  // null: the zero state
+        if (r0 >= 0) {
+          if (direct) {
+            src = reinterpret_cast<const float*>(head_of(r0, h));
+          } else {
+            load_state(head_of(r0, h), work, K, V, a.v_first);
+            src = work;
+          }
+        }
+        // The head computed after this one in this thread (contiguous schedule), to prefetch.
+        const float* next_item = nullptr;
+        if (direct && i + 1 < items && p.len[(i + 1) / HV] > 0) {
+          const int64_t r1 = start_row((i + 1) / HV);
+          if (r1 >= 0) next_item = reinterpret_cast<const float*>(head_of(r1, (i + 1) % HV));
+        }
+        TokenIn in[kGroup];
+        float* dst[kGroup];
+        P* store[kGroup];
+        for (int64_t t0 = 0; t0 < p.len[n]; t0 += kGroup) {
+          const int64_t count = std::min(kGroup, p.len[n] - t0);
+          for (int64_t c = 0; c < count; ++c) {
+            const int64_t tok = p.bos[n] + t0 + c;
+            float *qv = scratch + c * token_floats, *kv = qv + K, *vv = kv + K;
+            load_row(q + (tok * H + hk) * K, qv, K);
+            load_row(k + (tok * H + hk) * K, kv, K);
+            load_row(v + (tok * HV + h) * V, vv, V);
+            if (p.l2norm) {
+              float rn;
+              l2norm_rows(qv, &rn, 1, K);
+              l2norm_rows(kv, &rn, 1, K);
+            }
+            const float alpha = std::exp(g[tok * HV + h]);
+            in[c] = TokenIn{qv, kv, vv, alpha, beta[tok * HV + h], alpha * p.scale, dot(kv, qv, K) * p.scale};
+            const int64_t row = a.indices[n * a.width + t0 + c];
+            dst[c] = (direct && row >= 0) ? reinterpret_cast<float*>(head_of(row, h)) : work;
+            store[c] = (!direct && row >= 0) ? head_of(row, h) : nullptr;
+          }
+          const bool last_group = t0 + kGroup >= p.len[n];
+          for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
+            const int64_t w = std::min(kBlock, V - j0);
+            const float* s = src;
+            for (int64_t c = 0; c < count; ++c) {
+              const int64_t tok = p.bos[n] + t0 + c;
+              const float* next = nullptr;
+              if (c == count - 1) {
+                if (j0 + kBlock < V) next = src ? src + j0 + kBlock : nullptr;
+                else if (last_group) next = next_item;
+              }
+              step_block(in[c], s, dst[c], K, V, j0, w, block_scratch, o + (tok * HV + h) * V, next);
+              if (store[c]) store_state_block(dst[c], store[c], K, V, j0, w, a.v_first);
+              s = dst[c];
+            }
+          }
+          src = dst[count - 1];
+        }
+      },
+      /*contiguous=*/true);
+}
+
+template <typename T>
+void pool_dispatch(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+                   const PoolArgs& a, T* o) {
+  switch (a.dtype) {
+    case DType::Float: return pool_typed<T, float>(p, q, k, v, g, beta, a, o);
+    case DType::Half: return pool_typed<T, c10::Half>(p, q, k, v, g, beta, a, o);
+    case DType::BFloat16: return pool_typed<T, c10::BFloat16>(p, q, k, v, g, beta, a, o);
+  }
+}
+
 }  // namespace
 
 void recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
@@ -220,6 +347,21 @@ void recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v
       return recurrent_typed(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
                              static_cast<const c10::BFloat16*>(v), g, beta, initial,
                              static_cast<c10::BFloat16*>(o), final_state);
+  }
+}
+
+void pool_recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
+                        const float* beta, const PoolArgs& pool, void* o) {
+  switch (p.dtype) {
+    case DType::Float:
+      return pool_dispatch(p, static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), g, beta, pool, static_cast<float*>(o));
+    case DType::Half:
+      return pool_dispatch(p, static_cast<const c10::Half*>(q), static_cast<const c10::Half*>(k),
+                           static_cast<const c10::Half*>(v), g, beta, pool, static_cast<c10::Half*>(o));
+    case DType::BFloat16:
+      return pool_dispatch(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
+                           static_cast<const c10::BFloat16*>(v), g, beta, pool, static_cast<c10::BFloat16*>(o));
   }
 }
 

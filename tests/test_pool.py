@@ -1,0 +1,563 @@
+"""State pools (serving): decode and prefill over a pool of rows, in place, against the
+float64 recurrence run on each request alone.
+
+The decode step is checked through both implementations, the pure-torch one
+(``torch_gdr._pool.pool_recurrent_step``, any device) and the fused CPU kernel
+(``torch_gdr.ops.cpu.pool.pool_recurrent_fwd``); the prefill through
+``torch_gdr._pool.pool_chunk_prefill`` (the public chunked op on pieces).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from torch_gdr import _pool
+from torch_gdr.ops.cpu import pool as cpu_pool
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+from torch_gdr.testing import make_inputs, rmse_ratio
+
+FIELDS = ("q", "k", "v", "g", "beta")
+
+STEPS: dict[str, Callable] = {
+    "torch": lambda *a, **kw: _pool.pool_recurrent_step(*a, **kw),
+    "cpu": lambda q, k, v, g, beta, scale, pool, idx, acc=None, **kw: cpu_pool.pool_recurrent_fwd(
+        q, k, v, g, beta, scale, pool, idx, acc, **{n: x for n, x in kw.items() if n != "validate"}),
+}
+
+
+def _key_first(x: torch.Tensor, v_first: bool) -> torch.Tensor:
+    return x.transpose(-1, -2) if v_first else x
+
+
+def make_pool(slots: int, heads: int, dk: int, dv: int, dtype=torch.float32, v_first: bool = False,
+              pad: int = 0, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random pool and the buffer under it (``pad`` extra elements per row)."""
+    inner = (heads, dv, dk) if v_first else (heads, dk, dv)
+    row = heads * dk * dv
+    gen = torch.Generator().manual_seed(seed)
+    buffer = (torch.randn(slots, row + pad, generator=gen) * 0.5).to(dtype)
+    return buffer[:, :row].view(slots, *inner), buffer
+
+
+def reference_tokens(x: dict, tokens: list[int], state: torch.Tensor, scale: Optional[float],
+                     l2norm: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs and states after each of ``tokens`` (indices into the flattened token axis),
+    one request alone, float64, from the key-first ``state [HV, K, V]``."""
+    outs, states = [], []
+    s = state.double()[None]
+    for t in tokens:
+        pieces = [x[f].reshape(-1, *x[f].shape[2:])[t:t + 1][None].double() for f in FIELDS]
+        o, s = naive_recurrent_gated_delta_rule(*pieces, scale, s, True, l2norm)
+        outs.append(o[0, 0])
+        states.append(s[0])
+    return outs, states
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return ((ref.double() - out.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _rounded(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return state.to(dtype).double()
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode.
+
+DECODE_CASES = {
+    # name: (lens per sequence, width S (None: 1-D indices), accepted (None: no num_accepted_tokens), options)
+    "one_token": ([1, 1, 1, 1], None, None, {}),
+    "one_token_minus1": ([1, 1, 1], None, None, dict(rows=[[2], [-1], [5]])),
+    "fork": ([1, 1], 2, [2, 2], dict(rows=[[3, 0], [4, 1]])),
+    "spec_all_acceptance": ([3, 3, 3, 2, 0], 3, [1, 2, 3, 3, 1], {}),
+    "spec_minus1_slots": ([3, 2, 3], 3, [3, 1, 2], dict(rows=[[0, -1, 2], [3, 4, -1], [-1, 7, 8]])),
+    "long_spec": ([11, 9], 12, [12, 5], {}),
+    "value_first": ([2, 3, 1], 3, [2, 3, 1], dict(v_first=True)),
+    "padded_stride": ([2, 1, 3], 3, [1, 3, 2], dict(pad=7)),
+    "gqa_l2norm_scale": ([2, 2], 2, [2, 1], dict(heads=(2, 4), l2norm=True, scale=0.3)),
+    "token_major": ([1, 3, 2], 3, [3, 3, 1], dict(token_major=True)),
+    "bf16_pool": ([3, 2, 1], 3, [2, 1, 3], dict(pool_dtype=torch.bfloat16)),
+    "fp16_pool_v_first": ([2, 3], 3, [3, 2], dict(pool_dtype=torch.float16, v_first=True)),
+    "bf16_inputs": ([2, 1], 2, [1, 2], dict(dtype=torch.bfloat16)),
+}
+
+
+def _default_rows(lens: list[int], width: int, slots: int, seed: int) -> list[list[int]]:
+    rows = random.Random(seed).sample(range(slots), len(lens) * width)
+    return [rows[n * width:(n + 1) * width] for n in range(len(lens))]
+
+
+def run_decode_case(step: Callable, lens: list[int], width: Optional[int], accepted: Optional[list[int]],
+                    opts: dict, seed: int = 0) -> None:
+    h, hv = opts.get("heads", (2, 2))
+    dk, dv = 8, 6  # K != V: a transposed state cannot pass
+    v_first, pad = opts.get("v_first", False), opts.get("pad", 0)
+    pool_dtype, in_dtype = opts.get("pool_dtype", torch.float32), opts.get("dtype", torch.float32)
+    scale, l2norm = opts.get("scale"), opts.get("l2norm", False)
+    slots = 40
+    cols = width or 1
+    rows = opts.get("rows") or _default_rows(lens, cols, slots, seed)
+    x = make_inputs(seqlens=lens, num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=in_dtype,
+                    seed=seed)
+    cu = x.pop("cu_seqlens")
+    bos = cu.tolist()[:-1]
+    pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 1)
+    before = buffer.clone()
+    idx = torch.tensor(rows if width else [r[0] for r in rows], dtype=torch.int32)
+    acc = None if accepted is None else torch.tensor(accepted, dtype=torch.int64)
+    args = [x[f] for f in FIELDS]
+    if opts.get("token_major"):
+        args = [t.squeeze(0) for t in args]
+    with torch.no_grad():
+        o = step(*args, scale, pool, idx, acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first)
+    assert o.shape == args[2].shape and o.dtype == in_dtype
+    o = o.reshape(-1, hv, dv)
+
+    before_pool = before[:, :pool[0].numel()].view(pool.shape)
+    expected_rows: dict[int, torch.Tensor] = {}
+    ref_o, out_o = [], []
+    for n, length in enumerate(lens):
+        if length == 0:
+            continue
+        start = rows[n][(accepted[n] - 1) if accepted else 0]
+        state = (torch.zeros(hv, dk, dv, dtype=torch.float64) if start < 0
+                 else _key_first(before_pool[start], v_first).double())
+        outs, states = reference_tokens(x, list(range(bos[n], bos[n] + length)), state, scale, l2norm)
+        ref_o += outs
+        out_o += [o[t] for t in range(bos[n], bos[n] + length)]
+        for j, s in enumerate(states):
+            if rows[n][j] >= 0:
+                expected_rows[rows[n][j]] = _rounded(s, pool_dtype)
+    low_precision = pool_dtype != torch.float32 or in_dtype != torch.float32
+    if ref_o:
+        ref, out = torch.stack(ref_o), torch.stack(out_o)
+        if low_precision:
+            assert rmse_ratio(ref, out) < 0.005
+        else:
+            assert rel_err(ref, out) < 1e-5
+    for row, state in expected_rows.items():
+        got = _key_first(pool[row], v_first).double()
+        if low_precision:
+            assert rmse_ratio(state, got) < 0.005, f"row {row}"
+        else:
+            assert rel_err(state, got) < 1e-5, f"row {row}"
+    # Every byte not in a written row is untouched: other rows, the row padding.
+    untouched = torch.ones(buffer.shape, dtype=torch.bool)
+    row_numel = pool[0].numel()
+    for row in expected_rows:
+        untouched[row, :row_numel] = False
+    assert torch.equal(buffer[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("impl", sorted(STEPS))
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_decode_against_each_request_alone(impl: str, case: str) -> None:
+    lens, width, accepted, opts = DECODE_CASES[case]
+    run_decode_case(STEPS[impl], lens, width, accepted, opts)
+
+
+@pytest.mark.parametrize("impl", sorted(STEPS))
+def test_decode_batched_layout_and_steps_chain(impl: str) -> None:
+    """B sequences of T tokens (no cu_seqlens), several steps in a row through the same pool:
+    equals one long run per request; rows are reused in place."""
+    step = STEPS[impl]
+    batch, hv, dk, dv, steps = 3, 2, 8, 6, 4
+    pool, _ = make_pool(10, hv, dk, dv)
+    start = pool.clone()
+    rows = torch.tensor([7, 2, 5])
+    x = make_inputs(batch_size=batch, seq_len=steps, num_qk_heads=hv, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                    dtype=torch.float32, seed=3)
+    outs = []
+    with torch.no_grad():
+        for t in range(steps):
+            outs.append(step(*(x[f][:, t:t + 1] for f in FIELDS), None, pool, rows))
+    o = torch.cat(outs, dim=1)
+    ref_o, ref_s = naive_recurrent_gated_delta_rule(*(x[f].double() for f in FIELDS), None,
+                                                    start[rows].double(), True)
+    assert rel_err(ref_o, o) < 1e-5
+    assert rel_err(ref_s, pool[rows]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill with checkpoints.
+
+
+def run_prefill_case(lens: list[int], initial: list[int], final: Optional[list[int]],
+                     offsets: Optional[list[list[int]]], ck_rows: Optional[list[list[int]]], *,
+                     v_first: bool = False, pad: int = 0, pool_dtype=torch.float32, chunk_size: int = 16,
+                     seed: int = 0) -> None:
+    hv, dk, dv, slots = 2, 8, 6, 40
+    x = make_inputs(seqlens=lens, num_qk_heads=1, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=torch.float32,
+                    seed=seed)
+    cu = x.pop("cu_seqlens")
+    bos = cu.tolist()[:-1]
+    pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 5)
+    before = buffer.clone()
+    before_pool = before[:, :pool[0].numel()].view(pool.shape)
+    with torch.no_grad():
+        o = _pool.pool_chunk_prefill(
+            *(x[f] for f in FIELDS), None, pool, initial_state_indices=torch.tensor(initial),
+            final_state_indices=None if final is None else torch.tensor(final),
+            checkpoint_offsets=None if offsets is None else torch.tensor(offsets),
+            checkpoint_indices=None if ck_rows is None else torch.tensor(ck_rows), cu_seqlens=cu,
+            chunk_size=chunk_size, state_v_first=v_first)
+    o = o.reshape(-1, hv, dv)
+    finals = final if final is not None else initial
+    expected: dict[int, torch.Tensor] = {}
+    tol = 1e-5 if pool_dtype == torch.float32 else None
+    for n, length in enumerate(lens):
+        state = (torch.zeros(hv, dk, dv, dtype=torch.float64) if initial[n] < 0
+                 else _key_first(before_pool[initial[n]], v_first).double())
+        outs, states = reference_tokens(x, list(range(bos[n], bos[n] + length)), state, None, False)
+        states = [state] + states  # states[p]: after p tokens
+        if length:
+            ref, out = torch.stack(outs), o[bos[n]:bos[n] + length]
+            assert (rel_err(ref, out) < tol) if tol else (rmse_ratio(ref, out) < 0.005), f"o of sequence {n}"
+        if finals[n] >= 0:
+            expected[finals[n]] = _rounded(states[length], pool_dtype)
+        if offsets is not None:
+            per_seq = lambda a: a[n] if isinstance(a[n], list) else [a[n]]  # noqa: E731  ([N] is [N, 1])
+            for off, row in zip(per_seq(offsets), per_seq(ck_rows)):
+                if row >= 0:
+                    expected[row] = _rounded(states[off], pool_dtype)
+    for row, state in expected.items():
+        got = _key_first(pool[row], v_first).double()
+        assert (rel_err(state, got) < tol) if tol else (rmse_ratio(state, got) < 0.005), f"row {row}"
+    untouched = torch.ones(buffer.shape, dtype=torch.bool)
+    for row in expected:
+        untouched[row, :pool[0].numel()] = False
+    assert torch.equal(buffer[untouched], before[untouched])
+
+
+PREFILL_CASES = {
+    # name: (lens, initial rows, final rows, checkpoint offsets, checkpoint rows, options)
+    "in_place": ([20, 7, 33], [3, 9, 1], None, None, None, {}),
+    "fork_and_minus1": ([20, 7, 33, 5], [3, -1, 1, 3], [10, 11, -1, 12], None, None, {}),
+    "empty_sequence_copies": ([6, 0, 9], [4, 5, 6], [7, 8, 9], None, None, {}),
+    "checkpoints_any_offsets": ([37, 21, 50], [0, 1, 2], [3, 4, 5],
+                               [[1, 16, 17, 37], [0, 20, -1, -1], [49, 3, 31, 3]],
+                               [[10, 11, 12, 13], [14, 15, -1, -1], [16, 17, 18, 19]], {}),
+    "checkpoints_1d": ([9, 30], [0, -1], [2, 3], [5, 0], [6, 7], {}),
+    "checkpoint_empty_sequence": ([0, 12], [1, 2], [3, 4], [[0], [12]], [[5], [6]], {}),
+    "v_first_padded": ([25, 14], [0, 1], [2, 3], [[7, 19], [13, -1]], [[4, 5], [6, -1]], dict(v_first=True, pad=5)),
+    "bf16_pool": ([30, 18], [0, 1], None, [[11, 29], [3, 17]], [[4, 5], [6, 7]], dict(pool_dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_against_each_request_alone(case: str) -> None:
+    lens, initial, final, offsets, rows, opts = PREFILL_CASES[case]
+    run_prefill_case(lens, initial, final, offsets, rows, **opts)
+
+
+def test_prefill_checkpoints_one_pass(monkeypatch) -> None:
+    """Checkpoints cost no re-run: every token goes through the chunked op once, in one call
+    more than the most inner offsets of one sequence."""
+    import torch_gdr
+
+    calls: list[int] = []
+    real = torch_gdr.chunk_gated_delta_rule
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch_gdr, "chunk_gated_delta_rule", counting)
+    run_prefill_case([37, 21, 50], [0, 1, 2], [3, 4, 5], [[1, 16, 17, 37], [0, 20, -1, -1], [49, 3, 31, 3]],
+                     [[10, 11, 12, 13], [14, 15, -1, -1], [16, 17, 18, 19]])
+    assert sum(calls) == 37 + 21 + 50
+    assert len(calls) == 4  # sequence 0 has three inner offsets (1, 16, 17)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors.
+
+
+def _decode(impl: str = "torch", lens=(2, 1), idx=None, acc=None, pool=None, grad: bool = False, **changes):
+    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=6,
+                    dtype=torch.float32)
+    cu = x.pop("cu_seqlens")
+    if grad:
+        x["v"].requires_grad_()
+    pool = make_pool(6, 2, 8, 6)[0] if pool is None else pool
+    idx = torch.tensor([[0, 1], [2, 3]]) if idx is None else idx
+    args = dict(cu_seqlens=cu)
+    args.update(changes)
+    STEPS[impl](*(x[f] for f in FIELDS), None, pool, idx, acc, **args)
+
+
+def _prefill(lens=(5, 3), initial=(0, 1), final=None, offsets=None, rows=None, **changes):
+    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=6,
+                    dtype=torch.float32)
+    cu = x.pop("cu_seqlens")
+    t = lambda a: None if a is None else torch.tensor(a)  # noqa: E731
+    kw = dict(initial_state_indices=t(initial), final_state_indices=t(final), checkpoint_offsets=t(offsets),
+              checkpoint_indices=t(rows), cu_seqlens=cu)
+    kw.update(changes)
+    _pool.pool_chunk_prefill(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], **kw)
+
+
+DECODE_ERRORS = {
+    "pool_dtype": (dict(pool=torch.zeros(6, 2, 8, 6, dtype=torch.float64)), TypeError,
+                   r"initial_state: expected a pool of dtype float32, bfloat16 or float16, got torch.float64"),
+    "pool_transposed_shape": (dict(pool=torch.zeros(6, 2, 6, 8)), ValueError,
+                              r"initial_state: expected a pool of shape \[slots, HV, K, V\] = \[slots >= 1, 2, 8, 6\], "
+                              r"got \[6, 2, 6, 8\]"),
+    "pool_v_first_shape": (dict(state_v_first=True), ValueError, r"\[slots, HV, V, K\] \(state_v_first=True\)"),
+    "pool_inner_strides": (dict(pool=torch.zeros(6, 2, 6, 8).transpose(2, 3)), ValueError,
+                           r"initial_state: expected a pool whose rows are contiguous .*got strides \[96, 48, 1, 8\]"),
+    "pool_device": (dict(pool=torch.zeros(6, 2, 8, 6, device="meta")), ValueError,
+                    r"initial_state: expected the pool on cpu"),
+    "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),
+    "index_dtype": (dict(idx=torch.tensor([[0.0, 1.0], [2.0, 3.0]])), TypeError,
+                    r"ssm_state_indices: expected dtype int32 or int64, got torch.float32"),
+    "index_rank": (dict(idx=torch.zeros(2, 2, 1, dtype=torch.int64)), ValueError,
+                   r"ssm_state_indices: expected shape \[N\] or \[N, S\], got \[2, 2, 1\]"),
+    "index_count": (dict(idx=torch.tensor([[0, 1]])), ValueError,
+                    r"ssm_state_indices: expected shape .*N = 2 sequences, got \[1, 2\]"),
+    "index_past_pool": (dict(idx=torch.tensor([[0, 6], [2, 3]])), ValueError,
+                        r"ssm_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 6 at \[0, 1\]"),
+    "index_below_minus1": (dict(idx=torch.tensor([[0, 1], [-2, 3]])), ValueError, r"got -2 at \[1, 0\]"),
+    "one_d_many_tokens": (dict(idx=torch.tensor([0, 1])), ValueError,
+                          r"ssm_state_indices: 1-D indices \[N\] take at most one token per sequence, but sequence 0 "
+                          r"has 2"),
+    "more_tokens_than_rows": (dict(lens=(3, 1)), ValueError,
+                              r"ssm_state_indices: expected at most S = 2 tokens per sequence .*sequence 0 has 3"),
+    "accepted_zero": (dict(acc=torch.tensor([1, 0])), ValueError,
+                      r"num_accepted_tokens: expected values in 1..S = 1..2 .*got 0 at index 1"),
+    "accepted_past_width": (dict(acc=torch.tensor([3, 1])), ValueError, r"got 3 at index 0"),
+    "accepted_shape": (dict(acc=torch.tensor([1, 1, 1])), ValueError,
+                       r"num_accepted_tokens: expected shape \[N\] = \[2\], got \[3\]"),
+    "accepted_dtype": (dict(acc=torch.tensor([1.0, 1.0])), TypeError,
+                       r"num_accepted_tokens: expected dtype int32 or int64"),
+    "two_sequences_write_a_row": (dict(idx=torch.tensor([[0, 1], [1, 3]])), ValueError,
+                                  r"ssm_state_indices\[1, 0\]: row 1 is written twice in one call"),
+    "one_sequence_writes_a_row_twice": (dict(idx=torch.tensor([[4, 4], [2, 3]])), ValueError,
+                                        r"row 4 is written twice"),
+    "read_row_written_by_other": (dict(idx=torch.tensor([[0, 1], [2, 0]]), acc=torch.tensor([1, 2])), ValueError,
+                                  r"ssm_state_indices\[1, 1\]: row 0 is read by sequence 1 and written by sequence 0"),
+}
+
+
+@pytest.mark.parametrize("impl", sorted(STEPS))
+@pytest.mark.parametrize("name", sorted(DECODE_ERRORS))
+def test_decode_errors(impl: str, name: str) -> None:
+    changes, exc, pattern = DECODE_ERRORS[name]
+    with pytest.raises(exc, match=pattern):
+        _decode(impl, **changes)
+
+
+def test_minus1_and_unused_entries_are_not_conflicts() -> None:
+    """-1 in several sequences, and entries past a sequence's length that repeat other rows,
+    are fine: only rows actually written count."""
+    with torch.no_grad():
+        _decode(idx=torch.tensor([[-1, -1], [-1, 0]]), lens=(2, 1))
+        _decode(idx=torch.tensor([[0, 1], [2, 1]]), lens=(2, 1))
+
+
+def _check(**kw) -> None:
+    """The common check of a pool call (what every backend's entry point runs first)."""
+    x = make_inputs(seqlens=[5, 3], num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=6, dtype=torch.float32)
+    cu = x.pop("cu_seqlens")
+    _pool.check_pool_args(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], cu_seqlens=cu, **kw)
+
+
+PREFILL_ERRORS = {
+    "both_kinds": (lambda: _check(ssm_state_indices=torch.tensor([0, 1]), initial_state_indices=torch.tensor([0, 1])),
+                   ValueError, r"expected exactly one of them .*got both"),
+    "neither_kind": (lambda: _check(), ValueError, r"expected exactly one of them .*got neither"),
+    "accepted_in_prefill": (lambda: _check(initial_state_indices=torch.tensor([0, 1]),
+                                           num_accepted_tokens=torch.tensor([1, 1])), ValueError,
+                            r"num_accepted_tokens: is a decode argument"),
+    "prefill_argument_in_decode": (lambda: _check(ssm_state_indices=torch.tensor([0, 1]),
+                                                  final_state_indices=torch.tensor([0, 1])), ValueError,
+                                   r"final_state_indices: is a prefill argument"),
+    "initial_shape": (lambda: _prefill(initial=[[0, 1]]), ValueError,
+                      r"initial_state_indices: expected shape \[N\], got \[1, 2\]"),
+    "initial_count": (lambda: _prefill(initial=[0]), ValueError,
+                      r"initial_state_indices: expected shape \[N\] = \[2\], got \[1\]"),
+    "final_range": (lambda: _prefill(final=[0, 9]), ValueError,
+                    r"final_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 9 at 1"),
+    "final_shared": (lambda: _prefill(final=[4, 4]), ValueError, r"final_state_indices\[1\]: row 4 is written twice"),
+    "final_read_by_other": (lambda: _prefill(final=[1, 2]), ValueError,
+                            r"initial_state_indices\[1\]: row 1 is read by sequence 1 and written by sequence 0"),
+    "offsets_without_rows": (lambda: _prefill(offsets=[1, 2]), ValueError,
+                             r"checkpoint_indices: expected together with checkpoint_offsets"),
+    "rows_without_offsets": (lambda: _prefill(rows=[3, 4]), ValueError,
+                             r"checkpoint_offsets: expected together with checkpoint_indices"),
+    "checkpoint_shapes": (lambda: _prefill(offsets=[[1, 2], [1, 2]], rows=[3, 4]), ValueError,
+                          r"checkpoint_indices: expected the shape of checkpoint_offsets \[2, 2\], got \[2\]"),
+    "checkpoint_past_end": (lambda: _prefill(offsets=[[1], [4]], rows=[[3], [4]]), ValueError,
+                            r"checkpoint_offsets: expected a position in 0..3 \(the length of sequence 1\), got 4 at "
+                            r"\[1, 0\]"),
+    "checkpoint_negative": (lambda: _prefill(offsets=[-1, 2], rows=[3, 4]), ValueError,
+                            r"expected a position in 0..5 .*got -1 at \[0\]"),
+    "checkpoint_row_is_final_row": (lambda: _prefill(offsets=[1, 2], rows=[3, 1]), ValueError,
+                                    r"checkpoint_indices\[1\]: row 1 is written twice"),
+    "checkpoint_row_read_by_other": (lambda: _prefill(offsets=[1, 2], rows=[1, 4], final=[2, 3]), ValueError,
+                                     r"row 1 is read by sequence 1 and written by sequence 0"),
+    "checkpoint_dtype": (lambda: _prefill(offsets=[1.0, 2.0], rows=[3, 4]), TypeError,
+                         r"checkpoint_offsets: expected dtype int32 or int64"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PREFILL_ERRORS))
+def test_prefill_errors(name: str) -> None:
+    call, exc, pattern = PREFILL_ERRORS[name]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_rejected_call_leaves_pool_untouched() -> None:
+    pool, buffer = make_pool(6, 2, 8, 6)
+    before = buffer.clone()
+    for impl in STEPS:
+        with pytest.raises(ValueError, match=re.escape("num_accepted_tokens")):
+            _decode(impl, pool=pool, acc=torch.tensor([0, 1]))
+    assert torch.equal(buffer, before)
+
+
+# ------------------------------------------------------------------------------------------------
+# A serving simulation.
+
+
+class Request:
+    """One request's token stream (inputs fixed up front) and its bookkeeping."""
+
+    def __init__(self, rid: int, prompt: int, total: int, x: dict, hit: Optional[tuple[int, int]],
+                 own_checkpoint: int):
+        self.rid, self.prompt, self.total, self.x = rid, prompt, total, x  # x: q..beta of [1, total, ...]
+        self.hit = hit  # (source request, stream position of its checkpoint) or None
+        self.start = hit[1] if hit else 0  # first stream position this request computes itself
+        self.own_checkpoint = own_checkpoint  # stream position of the checkpoint its prefill writes
+        self.done = self.start  # stream positions processed so far
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.block: list[int] = []  # its decode rows
+        self.accepted = 1
+
+
+def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec_width: int = 3,
+                     max_running: int = 12) -> None:
+    rng = random.Random(seed)
+    h, hv, dk, dv = 1, 2, 16, 8
+    cache_rows = list(range(num_requests))  # prefix cache: one checkpoint row per request, kept
+    free_rows = list(range(num_requests, num_requests + max_running * spec_width + 8))
+    pool = torch.zeros(free_rows[-1] + 1, hv, dk, dv)
+    pool[num_requests:] = float("nan")  # a row read before it is written poisons the outputs
+    storage = pool.untyped_storage().data_ptr()
+
+    requests: list[Request] = []
+    checkpoints: dict[int, int] = {}  # request -> stream position of its checkpoint
+    for rid in range(num_requests):
+        prompt = rng.randint(1, 40)
+        hit = None
+        if rid >= 4 and rng.random() < 0.35:
+            source = rng.randrange(rid)
+            hit = (source, checkpoints[source])
+            prompt = max(prompt, hit[1])  # a prompt may be all cached (prefill of no tokens)
+        total = prompt + rng.randint(1, 10)
+        x = make_inputs(seqlens=[total], num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                        dtype=torch.float32, seed=seed * 1000 + rid)
+        x.pop("cu_seqlens")
+        if hit:  # the shared prefix: the source's first tokens
+            for f in FIELDS:
+                x[f][:, :hit[1]] = requests[hit[0]].x[f][:, :hit[1]]
+        start = hit[1] if hit else 0
+        checkpoints[rid] = rng.randint(start, prompt)
+        requests.append(Request(rid, prompt, total, x, hit, checkpoints[rid]))
+
+    waiting = list(requests)
+    prefilled: set[int] = set()
+    running: list[Request] = []
+    steps = 0
+    while waiting or running:
+        steps += 1
+        assert steps < 10 * num_requests, "the loop does not progress"
+        # Admit: a prefix hit waits until its source's checkpoint was written by an earlier call.
+        admitted: list[Request] = []
+        while waiting and len(running) + len(admitted) < max_running:
+            r = waiting[0]
+            if r.hit and r.hit[0] not in prefilled:
+                break
+            waiting.pop(0)
+            r.block = [free_rows.pop() for _ in range(spec_width)]
+            admitted.append(r)
+        if admitted:  # one prefill call, packed
+            pieces = [{f: r.x[f][:, r.start:r.prompt] for f in FIELDS} for r in admitted]
+            lens = [r.prompt - r.start for r in admitted]
+            cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            with torch.no_grad():
+                o = _pool.pool_chunk_prefill(
+                    *(torch.cat([p[f] for p in pieces], dim=1) for f in FIELDS), None, pool,
+                    initial_state_indices=torch.tensor([cache_rows[r.hit[0]] if r.hit else -1 for r in admitted]),
+                    final_state_indices=torch.tensor([r.block[0] for r in admitted]),
+                    checkpoint_offsets=torch.tensor([[r.own_checkpoint - r.start] for r in admitted]),
+                    checkpoint_indices=torch.tensor([[cache_rows[r.rid]] for r in admitted]), cu_seqlens=cu,
+                    chunk_size=16)
+            for i, r in enumerate(admitted):
+                for p in range(lens[i]):
+                    r.outputs[r.start + p] = o[0, cu[i] + p]
+                r.done, r.accepted = r.prompt, 1
+                prefilled.add(r.rid)
+            running.extend(admitted)
+        decoding = [r for r in running if r.rid in prefilled and r.done < r.total and r not in admitted]
+        if decoding:  # one decode step: plain or speculative, plus a padding sequence
+            widths = [rng.choice([1, spec_width]) for _ in decoding]
+            counts = [min(w, r.total - r.done) for w, r in zip(widths, decoding)]
+            tokens = {f: torch.cat([r.x[f][:, r.done:r.done + c] for r, c in zip(decoding, counts)]
+                                   + [torch.randn(1, 1, *r.x[f].shape[2:]) for r in decoding[:1]], dim=1)
+                      for f in FIELDS}
+            tokens["g"] = -tokens["g"].abs()
+            lens = counts + [1]
+            cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            indices = torch.tensor([r.block for r in decoding] + [[-1] * spec_width])
+            accepted = torch.tensor([r.accepted for r in decoding] + [1])
+            with torch.no_grad():
+                o = step(*(tokens[f] for f in FIELDS), None, pool, indices, accepted, cu_seqlens=cu)
+            for i, (r, c) in enumerate(zip(decoding, counts)):
+                keep = rng.randint(1, c)  # drafts past the accepted ones are thrown away
+                for p in range(keep):
+                    r.outputs[r.done + p] = o[0, cu[i] + p]
+                r.done += keep
+                r.accepted = keep
+        for r in [r for r in running if r.done >= r.total]:
+            running.remove(r)
+            for row in r.block:
+                pool[row] = float("nan")  # freed: any later read of it would show
+            free_rows.extend(r.block)
+        assert pool.untyped_storage().data_ptr() == storage
+
+    for r in requests:
+        ref, _ = naive_recurrent_gated_delta_rule(*(r.x[f].double() for f in FIELDS), None, None, False)
+        positions = list(range(r.start, r.total))
+        assert sorted(r.outputs) == positions, f"request {r.rid} skipped tokens"
+        out = torch.stack([r.outputs[p] for p in positions])
+        assert rel_err(ref[0, r.start:], out) < 1e-5, f"request {r.rid}"
+        # The prefix cache row holds the request's state at its checkpoint, nothing else's.
+        _, state = naive_recurrent_gated_delta_rule(*(r.x[f][:, :r.own_checkpoint].double() for f in FIELDS), None,
+                                                    None, True)
+        assert rel_err(state[0], pool[cache_rows[r.rid]]) < 1e-5, f"checkpoint of request {r.rid}"
+    assert bool(pool[num_requests:].isnan().all()), "a decode row was written after its request left"
+    assert sum(1 for r in requests if r.hit) >= 5
+
+
+@pytest.mark.parametrize("impl", sorted(STEPS))
+def test_serving_simulation(impl: str) -> None:
+    """64 requests of random lengths arrive and leave over a continuous-batching loop: packed
+    prefills (prefix hits restored from checkpoint rows other requests wrote), decode steps
+    mixing one-token and speculative sequences with random acceptance and a padding sequence
+    of -1 rows; every output equals its request run alone, the pool is never reallocated, and
+    freed rows (poisoned with NaN) never leak into another request."""
+    simulate_serving(STEPS[impl])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("impl", sorted(STEPS))
+def test_serving_simulation_more_seeds(impl: str, seed: int) -> None:
+    simulate_serving(STEPS[impl], seed=seed, spec_width=4, max_running=20)

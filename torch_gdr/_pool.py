@@ -1,0 +1,546 @@
+"""State pools: the serving semantics, independent of any backend, in pure torch.
+
+Serving engines keep every request's recurrent state in one preallocated **pool** and pass
+row indices; a call reads rows and updates rows in place. This module holds the rules of
+such a call (:func:`check_pool_args`), the reference decode step over a pool
+(:func:`pool_recurrent_step`, any device), the row gather/scatter a prefill needs
+(:func:`pool_gather`, :func:`pool_scatter`) and the prefill over a pool with checkpoints at
+arbitrary offsets (:func:`pool_chunk_prefill`). Backends with a fused pool kernel (the CPU's
+:func:`torch_gdr.ops.cpu.pool.pool_recurrent_fwd`) implement the same rules.
+
+**The pool.** ``[slots, HV, K, V]`` key-first, or ``[slots, HV, V, K]`` value-first
+(``state_v_first=True``); float32, bfloat16 or float16; on the inputs' device. A row's three
+inner dims must be contiguous; the row stride ``pool.stride(0)`` may exceed the row's
+``HV * K * V`` elements (a padded pool, as engines carve pools out of larger buffers). States
+are computed in float32 and rounded to the pool's dtype when stored; between the tokens of
+one call a sequence carries the unrounded float32 state (as vLLM's and fla's kernels do).
+
+**Decode** (vLLM's ``ssm_state_indices`` / ``num_accepted_tokens``):
+
+- ``ssm_state_indices [N, S]`` (S: the most tokens a sequence may have in the call, the
+  speculative width) or ``[N]`` (one token per sequence, as ``[N, 1]``); int32 or int64.
+- Sequence n starts from row ``ssm_state_indices[n, 0]``, or, with ``num_accepted_tokens
+  [N]`` (values 1..S), from row ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``: the
+  row the previous step wrote after the last accepted token.
+- The state after the sequence's token j (j < its length, at most S) is written to row
+  ``ssm_state_indices[n, j]``. Entries at j >= the length are not written.
+- A sequence with no tokens reads and writes nothing.
+
+**Prefill**: sequence n starts from row ``initial_state_indices[n]``; its final state is
+written to row ``final_state_indices[n]`` (default: the same rows). A sequence with no tokens
+copies its initial state to its final row. Checkpoints: see :func:`pool_chunk_prefill`.
+
+**Rules common to both** (``ValueError`` when validated):
+
+- Index -1 reads as a zero state and is never written (outputs are computed normally).
+  Every index lies in ``[-1, slots)``.
+- No row is written twice in one call (by two sequences, two tokens, or a final state and a
+  checkpoint).
+- A row one sequence writes is not read by another sequence of the same call (a fork reads
+  row a and writes row b). A sequence may overwrite the row it reads.
+- Pools are for inference: with grad enabled, an input or the pool requiring grad raises.
+- Values are checked when the index tensors live on the CPU (as engines build them), and on
+  a device unless ``validate=False`` (checking reads them to the host, a sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from torch_gdr._validate import INDEX_DTYPES, check_inputs, read_cu_seqlens
+
+Tensor = torch.Tensor
+
+#: The dtypes a pool may hold (computed in float32, rounded on store).
+POOL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+_L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A checked pool call.
+
+    Attributes:
+        num_seqs: N.
+        bos: first token of every sequence in the flattened token axis (``B * T`` tokens).
+        seq_lens: tokens of every sequence.
+        token_major: the inputs came without the batch dim (``[T, ...]``).
+        slots: rows of the pool.
+        state_v_first: the pool is value-first ``[slots, HV, V, K]``.
+        indices: decode: ``[N, S]`` int64 on the pool's device (1-D indices as ``[N, 1]``);
+            prefill: None.
+        read_pos: decode with ``num_accepted_tokens``: ``[N]`` int64 on the pool's device,
+            the column of ``indices`` each sequence starts from; else None (column 0).
+        initial_rows, final_rows: prefill: ``[N]`` int64 on the pool's device; else None.
+        checkpoint_offsets, checkpoint_rows: prefill with checkpoints: ``[N, M]`` int64 on
+            the CPU (entries whose row is -1 are padding); else None.
+    """
+
+    num_seqs: int
+    bos: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    token_major: bool
+    slots: int
+    state_v_first: bool
+    indices: Optional[Tensor] = None
+    read_pos: Optional[Tensor] = None
+    initial_rows: Optional[Tensor] = None
+    final_rows: Optional[Tensor] = None
+    checkpoint_offsets: Optional[Tensor] = None
+    checkpoint_rows: Optional[Tensor] = None
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_index_tensor(name: str, t: object, device: torch.device, ranks: Sequence[int], layout: str) -> Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected an integer torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
+    if t.dim() not in ranks:
+        raise ValueError(f"{name}: expected shape {layout}, got {_shape(t)} ({t.dim()}-D)")
+    if t.device.type != "cpu" and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on the CPU or on {device} (the pool's device), got {t.device}")
+    return t
+
+
+def _check_pool(pool: object, num_v_heads: int, head_k_dim: int, head_v_dim: int, state_v_first: bool,
+                device: torch.device) -> None:
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"initial_state: expected the pool as a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype not in POOL_DTYPES:
+        raise TypeError(f"initial_state: expected a pool of dtype float32, bfloat16 or float16, got {pool.dtype}")
+    if state_v_first:
+        inner, layout = [num_v_heads, head_v_dim, head_k_dim], "[slots, HV, V, K] (state_v_first=True)"
+    else:
+        inner, layout = [num_v_heads, head_k_dim, head_v_dim], "[slots, HV, K, V]"
+    if pool.dim() != 4 or list(pool.shape[1:]) != inner or pool.shape[0] < 1:
+        raise ValueError(f"initial_state: expected a pool of shape {layout} = [slots >= 1, {', '.join(map(str, inner))}]"
+                         f", got {_shape(pool)}")
+    if pool.device != device:
+        raise ValueError(f"initial_state: expected the pool on {device} (the device of q), got {pool.device}")
+    row = num_v_heads * head_k_dim * head_v_dim
+    contiguous_inner = (pool.stride(3) == 1 and pool.stride(2) == inner[2] and pool.stride(1) == inner[1] * inner[2])
+    if not contiguous_inner or pool.stride(0) < row:
+        raise ValueError(f"initial_state: expected a pool whose rows are contiguous (strides [>= {row}, "
+                         f"{inner[1] * inner[2]}, {inner[2]}, 1]), got strides {list(pool.stride())}")
+
+
+def _host(t: Tensor) -> Tensor:
+    return t.detach().to("cpu", torch.int64)
+
+
+def _check_range(name: str, values: Tensor, slots: int) -> None:
+    bad = (values < -1) | (values >= slots)
+    if bool(bad.any()):
+        where = [int(x) for x in bad.nonzero()[0]]
+        got = int(values[tuple(where)])
+        raise ValueError(f"{name}: expected pool rows in [-1, slots) = [-1, {slots}), got {got} at "
+                         f"{where if len(where) > 1 else where[0]}")
+
+
+def _check_row_conflicts(writes: list[tuple[int, int, str]], reads: list[tuple[int, int, str]]) -> None:
+    """``writes``/``reads``: ``(row, sequence, what)`` with rows >= 0. No row written twice;
+    no row written by one sequence and read by another."""
+    writer: dict[int, tuple[int, str]] = {}
+    for row, seq, what in writes:
+        if row in writer:
+            other_seq, other = writer[row]
+            raise ValueError(f"{what}: row {row} is written twice in one call (sequence {other_seq}: {other}; "
+                             f"sequence {seq}: {what}); every written row must be distinct")
+        writer[row] = (seq, what)
+    for row, seq, what in reads:
+        if row in writer and writer[row][0] != seq:
+            other_seq, other = writer[row]
+            raise ValueError(f"{what}: row {row} is read by sequence {seq} and written by sequence {other_seq} "
+                             f"({other}) in the same call; a fork must write a new row")
+
+
+def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                    *, cu_seqlens: Optional[Tensor] = None, state_v_first: bool = False,
+                    ssm_state_indices: Optional[Tensor] = None, num_accepted_tokens: Optional[Tensor] = None,
+                    initial_state_indices: Optional[Tensor] = None, final_state_indices: Optional[Tensor] = None,
+                    checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
+                    validate: bool = True) -> PoolPlan:
+    """Check a pool call and return its :class:`PoolPlan`; ``ValueError``/``TypeError``
+    naming the argument, what it got and what was expected.
+
+    A decode call passes ``ssm_state_indices`` (and optionally ``num_accepted_tokens``); a
+    prefill call ``initial_state_indices`` (and optionally ``final_state_indices``,
+    ``checkpoint_offsets`` with ``checkpoint_indices``). Exactly one of the two kinds.
+
+    Args:
+        q, k, v, g, beta, scale, cu_seqlens: as :func:`torch_gdr.chunk_gated_delta_rule`
+            (batched ``[B, T, ...]`` or token-major ``[T, ...]``).
+        pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``), see the
+            module docstring.
+        ssm_state_indices: ``[N]`` or ``[N, S]`` int32/int64.
+        num_accepted_tokens: ``[N]`` int32/int64, values in ``1..S``, or None.
+        initial_state_indices, final_state_indices: ``[N]`` int32/int64.
+        checkpoint_offsets, checkpoint_indices: ``[N]`` or ``[N, M]`` int32/int64 of one
+            shape (see :func:`pool_chunk_prefill`).
+        validate: check index values on a device too (index tensors on the CPU are always
+            checked).
+    """
+    check_inputs(q, k, v, g, beta, scale, None, cu_seqlens, 64, state_v_first)
+    token_major = q.dim() == 3
+    lead_b, lead_t = (1, q.shape[0]) if token_major else (q.shape[0], q.shape[1])
+    num_v_heads, head_k_dim, head_v_dim = v.shape[-2], q.shape[-1], v.shape[-1]
+    device = q.device
+    _check_pool(pool, num_v_heads, head_k_dim, head_v_dim, state_v_first, device)
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", pool)):
+            if t.requires_grad:
+                raise ValueError(f"{name}: requires grad, but state pools are for inference (updated in place, no "
+                                 f"gradient); call under torch.no_grad() or torch.inference_mode()")
+    if cu_seqlens is not None:
+        offsets = read_cu_seqlens(cu_seqlens, lead_b * lead_t)
+        bos, lens = tuple(offsets[:-1]), tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    else:
+        bos, lens = tuple(n * lead_t for n in range(lead_b)), (lead_t,) * lead_b
+    num_seqs, slots = len(lens), pool.shape[0]
+
+    decode = ssm_state_indices is not None
+    prefill = initial_state_indices is not None
+    if decode == prefill:
+        raise ValueError("ssm_state_indices / initial_state_indices: expected exactly one of them (decode: "
+                         f"ssm_state_indices; prefill: initial_state_indices), got "
+                         f"{'both' if decode else 'neither'}")
+    common = dict(num_seqs=num_seqs, bos=bos, seq_lens=lens, token_major=token_major, slots=slots,
+                  state_v_first=bool(state_v_first))
+    if decode:
+        for name, value in (("final_state_indices", final_state_indices), ("checkpoint_offsets", checkpoint_offsets),
+                            ("checkpoint_indices", checkpoint_indices)):
+            if value is not None:
+                raise ValueError(f"{name}: is a prefill argument (with initial_state_indices); a decode call with "
+                                 "ssm_state_indices takes none")
+        return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, **common)
+    if num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens: is a decode argument (with ssm_state_indices); a prefill call takes none")
+    return _check_prefill(initial_state_indices, final_state_indices, checkpoint_offsets, checkpoint_indices, device,
+                          validate, **common)
+
+
+def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], device: torch.device,
+                  validate: bool, **common) -> PoolPlan:
+    num_seqs, lens, slots = common["num_seqs"], common["seq_lens"], common["slots"]
+    idx = _check_index_tensor("ssm_state_indices", ssm_state_indices, device, (1, 2), "[N] or [N, S]")
+    if idx.shape[0] != num_seqs or (idx.dim() == 2 and idx.shape[1] < 1):
+        raise ValueError(f"ssm_state_indices: expected shape [N] or [N, S >= 1] with N = {num_seqs} sequences, got "
+                         f"{_shape(idx)}")
+    width = 1 if idx.dim() == 1 else idx.shape[1]
+    longest = max(lens, default=0)
+    if longest > width:
+        n = lens.index(longest)
+        if idx.dim() == 1:
+            raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
+                             f"{n} has {longest}; pass [N, S] rows, one per token")
+        raise ValueError(f"ssm_state_indices: expected at most S = {width} tokens per sequence (one row each), but "
+                         f"sequence {n} has {longest}")
+    acc = None
+    if num_accepted_tokens is not None:
+        acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, device, (1,), "[N]")
+        if acc.shape[0] != num_seqs:
+            raise ValueError(f"num_accepted_tokens: expected shape [N] = [{num_seqs}], got {_shape(acc)}")
+    if idx.device.type == "cpu" or (acc is not None and acc.device.type == "cpu") or validate:
+        rows = _host(idx).reshape(num_seqs, width)
+        _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
+        read = [0] * num_seqs
+        if acc is not None:
+            counts = _host(acc)
+            bad = (counts < 1) | (counts > width)
+            if bool(bad.any()):
+                n = int(bad.nonzero()[0, 0])
+                raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
+                                 f"always accepted), got {int(counts[n])} at index {n}")
+            read = [c - 1 for c in counts.tolist()]
+        table = rows.tolist()
+        writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs) for j in range(lens[n])
+                  if table[n][j] >= 0]
+        reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
+                 if lens[n] > 0 and table[n][read[n]] >= 0]
+        _check_row_conflicts(writes, reads)
+    indices = idx.to(device=device, dtype=torch.int64).reshape(num_seqs, width)
+    read_pos = None if acc is None else acc.to(device=device, dtype=torch.int64) - 1
+    return PoolPlan(indices=indices, read_pos=read_pos, **common)
+
+
+def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[Tensor],
+                   checkpoint_offsets: Optional[Tensor], checkpoint_indices: Optional[Tensor], device: torch.device,
+                   validate: bool, **common) -> PoolPlan:
+    num_seqs, lens, slots = common["num_seqs"], common["seq_lens"], common["slots"]
+    named = [("initial_state_indices", initial_state_indices)]
+    if final_state_indices is not None:
+        named.append(("final_state_indices", final_state_indices))
+    for name, t in named:
+        _check_index_tensor(name, t, device, (1,), "[N]")
+        if t.shape[0] != num_seqs:
+            raise ValueError(f"{name}: expected shape [N] = [{num_seqs}], got {_shape(t)}")
+    if (checkpoint_offsets is None) != (checkpoint_indices is None):
+        given, missing = (("checkpoint_offsets", "checkpoint_indices") if checkpoint_indices is None
+                          else ("checkpoint_indices", "checkpoint_offsets"))
+        raise ValueError(f"{missing}: expected together with {given} (positions and the pool rows to write them "
+                         f"to), got None")
+    if checkpoint_offsets is not None:
+        for name, t in (("checkpoint_offsets", checkpoint_offsets), ("checkpoint_indices", checkpoint_indices)):
+            _check_index_tensor(name, t, device, (1, 2), "[N] or [N, M]")
+            if t.shape[0] != num_seqs:
+                raise ValueError(f"{name}: expected shape [N] or [N, M] with N = {num_seqs} sequences, got {_shape(t)}")
+        if checkpoint_offsets.shape != checkpoint_indices.shape:
+            raise ValueError(f"checkpoint_indices: expected the shape of checkpoint_offsets "
+                             f"{_shape(checkpoint_offsets)}, got {_shape(checkpoint_indices)}")
+    tensors = [t for _, t in named] + [t for t in (checkpoint_offsets, checkpoint_indices) if t is not None]
+    ck_offsets = ck_rows = None
+    if checkpoint_offsets is not None:
+        # The offsets decide how the pass is split, so they are read on the host in any case.
+        ck_offsets = _host(checkpoint_offsets).reshape(num_seqs, -1)
+        ck_rows = _host(checkpoint_indices).reshape(num_seqs, -1)
+    if any(t.device.type == "cpu" for t in tensors) or validate:
+        initial = _host(initial_state_indices)
+        final = initial if final_state_indices is None else _host(final_state_indices)
+        _check_range("initial_state_indices", initial, slots)
+        if final_state_indices is not None:
+            _check_range("final_state_indices", final, slots)
+        writes = [(r, n, f"final_state_indices[{n}]") for n, r in enumerate(final.tolist()) if r >= 0]
+        if ck_rows is not None:
+            _check_range("checkpoint_indices", ck_rows if checkpoint_indices.dim() == 2 else ck_rows[:, 0], slots)
+            for n, (offs, rows) in enumerate(zip(ck_offsets.tolist(), ck_rows.tolist())):
+                for m, (off, row) in enumerate(zip(offs, rows)):
+                    if row < 0:
+                        continue
+                    where = f"[{n}, {m}]" if checkpoint_indices.dim() == 2 else f"[{n}]"
+                    if not 0 <= off <= lens[n]:
+                        raise ValueError(f"checkpoint_offsets: expected a position in 0..{lens[n]} (the length of "
+                                         f"sequence {n}), got {off} at {where}")
+                    writes.append((row, n, f"checkpoint_indices{where}"))
+        reads = [(r, n, f"initial_state_indices[{n}]") for n, r in enumerate(initial.tolist()) if r >= 0]
+        _check_row_conflicts(writes, reads)
+    initial_rows = initial_state_indices.to(device=device, dtype=torch.int64)
+    final_rows = initial_rows if final_state_indices is None else final_state_indices.to(device=device,
+                                                                                         dtype=torch.int64)
+    return PoolPlan(initial_rows=initial_rows, final_rows=final_rows, checkpoint_offsets=ck_offsets,
+                    checkpoint_rows=ck_rows, **common)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows in and out of the pool.
+
+
+def pool_gather(pool: Tensor, initial_state_indices: Tensor, state_v_first: bool = False) -> Tensor:
+    """The states of pool rows, key-first float32: ``[N, HV, K, V]``.
+
+    Args:
+        pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``).
+        initial_state_indices: ``[N]`` integer rows; -1 gives a zero state. Not checked
+            here (see :func:`check_pool_args`); no host sync.
+    """
+    rows = initial_state_indices.to(device=pool.device, dtype=torch.int64)
+    states = pool.index_select(0, rows.clamp_min(0)).to(torch.float32)
+    if state_v_first:
+        states = states.transpose(-1, -2)
+    states = torch.where((rows >= 0).view(-1, 1, 1, 1), states, states.new_zeros(()))
+    return states.contiguous()
+
+
+def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, state_v_first: bool = False) -> None:
+    """Write key-first states ``[N, HV, K, V]`` (any float dtype; rounded to the pool's) into
+    rows ``final_state_indices [N]`` of the pool, in place; rows -1 are skipped. Rows must be
+    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated. Rows -1
+    are dropped by a boolean mask, which on an accelerator is a host sync."""
+    rows = final_state_indices.to(device=pool.device, dtype=torch.int64)
+    keep = rows >= 0
+    if not bool(keep.all()):
+        rows, states = rows[keep], states[keep]
+    if rows.numel() == 0:
+        return
+    if state_v_first:
+        states = states.transpose(-1, -2)
+    pool.index_copy_(0, rows, states.to(pool.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode over a pool.
+
+
+def _flat_tokens(x: Tensor, token_major: bool) -> Tensor:
+    """``[B, T, ...]`` or ``[T, ...]`` as ``[B * T, ...]``."""
+    return x if token_major else x.reshape(-1, *x.shape[2:])
+
+
+def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                        pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None,
+                        cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                        state_v_first: bool = False, validate: bool = True) -> Tensor:
+    """The decode step over a pool, in place, by the per-token recurrence in pure torch (any
+    device): gather the rows the sequences start from, run their few tokens in lockstep
+    (token j of every sequence that has one at once), and write each state to its row.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (or token-major ``[T, H, K]``), any float dtype.
+        v: ``[B, T, HV, V]`` (``[T, HV, V]``); g, beta: ``[B, T, HV]`` (``[T, HV]``).
+        scale: factor on q after the l2norm; ``K ** -0.5`` when None.
+        pool: the state pool, updated in place (module docstring).
+        ssm_state_indices, num_accepted_tokens: vLLM's, see the module docstring.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B must be 1), or None (B
+            sequences of T tokens).
+        use_qk_l2norm_in_kernel: l2-normalise q and k first.
+        state_v_first: the pool is value-first.
+        validate: check index values also when they live on a device.
+
+    Returns:
+        ``o`` in the shape of v and dtype of v. Computed in float32 (float64 for float64
+        inputs); states rounded to the pool's dtype when stored.
+    """
+    plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                           ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                           validate=validate)
+    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    num_v_heads, head_k_dim = v.shape[-2], q.shape[-1]
+    scale = head_k_dim ** -0.5 if scale is None else float(scale)
+    qf, kf, vf, gf, bf = (_flat_tokens(t, plan.token_major).to(compute) for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)
+        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)
+    group = num_v_heads // q.shape[-2]
+    if group > 1:
+        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
+    qf = qf * scale
+    o = torch.zeros(vf.shape, dtype=compute, device=v.device)
+
+    indices = plan.indices
+    read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
+    state = pool_gather(pool, read_rows, state_v_first).to(compute)
+    for j in range(max(plan.seq_lens, default=0)):
+        active = [n for n in range(plan.num_seqs) if plan.seq_lens[n] > j]
+        seqs = torch.tensor(active, dtype=torch.int64, device=v.device)
+        tokens = torch.tensor([plan.bos[n] + j for n in active], dtype=torch.int64, device=v.device)
+        s = state.index_select(0, seqs) * gf[tokens].exp()[..., None, None]
+        k_t = kf[tokens]
+        u = bf[tokens][..., None] * (vf[tokens] - torch.einsum("nhkv,nhk->nhv", s, k_t))
+        s = s + k_t[..., :, None] * u[..., None, :]
+        o[tokens] = torch.einsum("nhkv,nhk->nhv", s, qf[tokens])
+        state.index_copy_(0, seqs, s)
+        pool_scatter(pool, indices[seqs, j], s, state_v_first)
+    return o.to(v.dtype).reshape(v.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill over a pool, with checkpoints at any offsets.
+
+
+def _segments(plan: PoolPlan) -> list[list[int]]:
+    """Per sequence, its boundaries ``0 = b_0 < b_1 < ... < b_s = L`` (``[0, 0]`` when empty):
+    the distinct checkpoint offsets strictly inside it split it into ``s`` segments."""
+    bounds = []
+    for n, length in enumerate(plan.seq_lens):
+        inner: set[int] = set()
+        if plan.checkpoint_offsets is not None:
+            for off, row in zip(plan.checkpoint_offsets[n].tolist(), plan.checkpoint_rows[n].tolist()):
+                if row >= 0 and 0 < off < length:
+                    inner.add(off)
+        bounds.append([0, *sorted(inner), length])
+    return bounds
+
+
+def pool_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                       pool: Tensor, *, initial_state_indices: Tensor, final_state_indices: Optional[Tensor] = None,
+                       checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
+                       cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                       chunk_size: int = 64, state_v_first: bool = False, backend: Optional[str] = None,
+                       validate: bool = True) -> Tensor:
+    """The chunked op over a pool: read each sequence's initial row, write its final state
+    (and its checkpoints) to rows, in place.
+
+    Checkpoints. ``checkpoint_offsets [N, M]`` holds, per sequence, up to M token positions
+    (any value in ``0..L_n``, in any order, not only multiples of the chunk) and
+    ``checkpoint_indices [N, M]`` the pool row each state goes to: entry ``(n, m)`` writes the
+    state of sequence n after its first ``checkpoint_offsets[n, m]`` tokens (0: the initial
+    state; ``L_n``: the final one) to row ``checkpoint_indices[n, m]``. Rows -1 are padding
+    (their offsets are ignored), so sequences may have different numbers of checkpoints.
+    ``[N]`` tensors stand for ``[N, 1]``. Offsets are read on the host.
+
+    How, in one pass over the tokens: each sequence is cut at its distinct inner offsets into
+    segments; call ``m`` of :func:`torch_gdr.chunk_gated_delta_rule` runs the ``m``-th segment
+    of every sequence that has one, packed as varlen, from the states the call before left
+    (a varlen call cannot chain two segments of one sequence, so segments of one sequence
+    go to successive calls). Every token is processed once; the number of calls is one more
+    than the most inner offsets of one sequence, and each segment's tail chunk is padded.
+
+    Args:
+        q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size, backend:
+            as :func:`torch_gdr.chunk_gated_delta_rule`.
+        pool: the state pool (module docstring), updated in place.
+        initial_state_indices: ``[N]`` rows to start from (-1: zeros).
+        final_state_indices: ``[N]`` rows for the final states (-1: not written); None: the
+            initial rows.
+        checkpoint_offsets, checkpoint_indices: see above, or None.
+        state_v_first: the pool is value-first.
+        validate: check index values also when they live on a device.
+
+    Returns:
+        ``o`` in the shape and dtype of v.
+    """
+    import torch_gdr  # the public op; imported here as the package imports this module's users
+
+    plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                           initial_state_indices=initial_state_indices, final_state_indices=final_state_indices,
+                           checkpoint_offsets=checkpoint_offsets, checkpoint_indices=checkpoint_indices,
+                           validate=validate)
+    device = v.device
+    flat = [_flat_tokens(t, plan.token_major).unsqueeze(0) for t in (q, k, v, g, beta)]  # [1, Ttot, ...]
+    states = pool_gather(pool, plan.initial_rows, state_v_first)
+    bounds = _segments(plan)
+
+    def run(pieces: list[Tensor], cu: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        return torch_gdr.chunk_gated_delta_rule(*pieces, scale, initial, True, use_qk_l2norm_in_kernel=
+                                                use_qk_l2norm_in_kernel, cu_seqlens=cu_t, chunk_size=chunk_size,
+                                                backend=backend)
+
+    def write_checkpoints(seqs: list[int], reached: list[int], seq_states: Tensor, at_start: bool = False) -> None:
+        """Write the checkpoints at the positions ``reached`` (one per sequence of ``seqs``,
+        whose states are ``seq_states``); position 0 is written at the start only."""
+        if plan.checkpoint_rows is None:
+            return
+        rows, picks = [], []
+        for i, (n, pos) in enumerate(zip(seqs, reached)):
+            for off, row in zip(plan.checkpoint_offsets[n].tolist(), plan.checkpoint_rows[n].tolist()):
+                if row >= 0 and off == pos and (pos > 0 or at_start):
+                    rows.append(row)
+                    picks.append(i)
+        if rows:
+            pool_scatter(pool, torch.tensor(rows, dtype=torch.int64, device=device),
+                         seq_states[torch.tensor(picks, dtype=torch.int64, device=device)], state_v_first)
+
+    write_checkpoints(list(range(plan.num_seqs)), [0] * plan.num_seqs, states, at_start=True)
+    layers = max(len(b) - 1 for b in bounds)
+    if layers == 1:  # no inner checkpoint: one call over the packed input as it came
+        cu = [*plan.bos, plan.bos[-1] + plan.seq_lens[-1]]
+        o, states = run(flat, cu, states)
+    else:
+        o = torch.empty_like(flat[2])
+        for m in range(layers):
+            seqs = [n for n in range(plan.num_seqs) if len(bounds[n]) - 1 > m]
+            token_ids: list[int] = []
+            cu = [0]
+            for n in seqs:
+                start, end = plan.bos[n] + bounds[n][m], plan.bos[n] + bounds[n][m + 1]
+                token_ids.extend(range(start, end))
+                cu.append(cu[-1] + end - start)
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+            seq_ids = torch.tensor(seqs, dtype=torch.int64, device=device)
+            pieces = [t.index_select(1, ids) for t in flat]
+            o_m, s_m = run(pieces, cu, states.index_select(0, seq_ids))
+            o.index_copy_(1, ids, o_m)
+            states.index_copy_(0, seq_ids, s_m.to(states.dtype))
+            write_checkpoints(seqs, [bounds[n][m + 1] for n in seqs], s_m)
+    if plan.checkpoint_rows is not None and layers == 1:
+        write_checkpoints(list(range(plan.num_seqs)), list(plan.seq_lens), states)
+    pool_scatter(pool, plan.final_rows, states, state_v_first)
+    return o.reshape(v.shape)

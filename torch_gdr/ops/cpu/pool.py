@@ -1,0 +1,65 @@
+"""The fused CPU decode step over a state pool, in place (the semantics: :mod:`torch_gdr._pool`).
+
+One parallel region over (sequence, value head): each reads its start row, runs its tokens
+and writes the state after each token to that token's row, straight into a float32
+key-first pool (no gathered copy of the states), through a float32 buffer for bfloat16,
+float16 and value-first pools. Without the extension (no compiler), the pure-torch step
+:func:`torch_gdr._pool.pool_recurrent_step` runs instead, with the same results.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_gdr import _pool
+from torch_gdr.ops.cpu import _build
+from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES
+
+Tensor = torch.Tensor
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                       pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
+                       cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                       state_v_first: bool = False) -> Tensor:
+    """The decode step over a pool on CPU tensors, in place.
+
+    Args:
+        q, k: ``[B, T, H, K]`` or token-major ``[T, H, K]``; float32, float16 or bfloat16
+            (cast to v's dtype; float64 runs the pure-torch step).
+        v: ``[B, T, HV, V]`` (``[T, HV, V]``); g, beta: ``[B, T, HV]`` (``[T, HV]``), any float
+            dtype (used in float32).
+        scale: factor on q after the l2norm; ``K ** -0.5`` when None.
+        pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``), float32,
+            bfloat16 or float16, rows contiguous, row stride >= the row; updated in place.
+        ssm_state_indices: ``[N]`` or ``[N, S]`` int32/int64 rows (vLLM's meaning, see
+            :mod:`torch_gdr._pool`); always validated (they are on the CPU).
+        num_accepted_tokens: ``[N]`` int32/int64 in ``1..S``, or None.
+        cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
+
+    Returns:
+        ``o`` in the shape and dtype of v.
+    """
+    plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
+    if q.device.type != "cpu":
+        raise ValueError(f"q: expected CPU tensors for the fused CPU pool step, got {q.device}")
+    ext = _build.load() if v.dtype in KERNEL_DTYPES else None
+    if ext is None:
+        return _pool.pool_recurrent_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                         cu_seqlens, use_qk_l2norm_in_kernel, state_v_first)
+    batched = [t.unsqueeze(0) if plan.token_major else t for t in (q, k, v, g, beta)]
+    dtype = v.dtype
+    qb, kb, vb = _as(batched[0], dtype), _as(batched[1], dtype), _as(batched[2], dtype)
+    gb, bb = _as(batched[3], torch.float32), _as(batched[4], torch.float32)
+    cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, plan.indices.contiguous(), plan.read_pos,
+                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first))
+    return o.reshape(v.shape)

@@ -1,10 +1,11 @@
 """State pools (serving): decode and prefill over a pool of rows, in place, against the
 float64 recurrence run on each request alone.
 
-The decode step is checked through both implementations, the pure-torch one
-(``torch_gdr._pool.pool_recurrent_step``, any device) and the fused CPU kernel
-(``torch_gdr.ops.cpu.pool.pool_recurrent_fwd``); the prefill through
-``torch_gdr._pool.pool_chunk_prefill`` (the public chunked op on pieces).
+Everything goes through the exported calls: the decode step
+(``torch_gdr.fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)``) on both the
+``"torch"`` backend (the pure-torch step, any device) and the ``"cpu"`` backend (the fused
+kernel), and the prefill (``torch_gdr.chunk_gated_delta_rule(...,
+initial_state_indices=...)``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,36 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+import torch_gdr
 from torch_gdr import _pool
-from torch_gdr.ops.cpu import pool as cpu_pool
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
 
 FIELDS = ("q", "k", "v", "g", "beta")
 
-STEPS: dict[str, Callable] = {
-    "torch": lambda *a, **kw: _pool.pool_recurrent_step(*a, **kw),
-    "cpu": lambda q, k, v, g, beta, scale, pool, idx, acc=None, **kw: cpu_pool.pool_recurrent_fwd(
-        q, k, v, g, beta, scale, pool, idx, acc, **{n: x for n, x in kw.items() if n != "validate"}),
-}
+def _public_step(backend: str) -> Callable:
+    """The exported decode call over a pool on ``backend``; returns ``o`` (the pool is
+    returned too, and must be the pool passed in)."""
+
+    def step(q, k, v, g, beta, scale, pool, idx, acc=None, **kw):
+        o, returned = torch_gdr.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, scale=scale, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=acc,
+            backend=backend, **kw)
+        assert returned is pool
+        return o
+
+    return step
+
+
+STEPS: dict[str, Callable] = {"torch": _public_step("torch"), "cpu": _public_step("cpu")}
+
+
+def prefill(q, k, v, g, beta, scale, pool, *, chunk_size: int = 64, backend: Optional[str] = None, **kw):
+    """The exported chunked call over a pool; returns ``o``."""
+    o, returned = torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, scale, pool, chunk_size=chunk_size,
+                                                   backend=backend, **kw)
+    assert returned is pool
+    return o
 
 
 def _key_first(x: torch.Tensor, v_first: bool) -> torch.Tensor:
@@ -200,7 +219,7 @@ def run_prefill_case(lens: list[int], initial: list[int], final: Optional[list[i
     before = buffer.clone()
     before_pool = before[:, :pool[0].numel()].view(pool.shape)
     with torch.no_grad():
-        o = _pool.pool_chunk_prefill(
+        o = prefill(
             *(x[f] for f in FIELDS), None, pool, initial_state_indices=torch.tensor(initial),
             final_state_indices=None if final is None else torch.tensor(final),
             checkpoint_offsets=None if offsets is None else torch.tensor(offsets),
@@ -258,16 +277,16 @@ def test_prefill_against_each_request_alone(case: str) -> None:
 def test_prefill_checkpoints_one_pass(monkeypatch) -> None:
     """Checkpoints cost no re-run: every token goes through the chunked op once, in one call
     more than the most inner offsets of one sequence."""
-    import torch_gdr
+    import torch_gdr.functional as functional
 
     calls: list[int] = []
-    real = torch_gdr.chunk_gated_delta_rule
+    real = functional.run_chunk
 
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[1])
-        return real(q, *args, **kwargs)
+    def counting(args, *rest, **kwargs):
+        calls.append(args.q.shape[1])
+        return real(args, *rest, **kwargs)
 
-    monkeypatch.setattr(torch_gdr, "chunk_gated_delta_rule", counting)
+    monkeypatch.setattr(functional, "run_chunk", counting)
     run_prefill_case([37, 21, 50], [0, 1, 2], [3, 4, 5], [[1, 16, 17, 37], [0, 20, -1, -1], [49, 3, 31, 3]],
                      [[10, 11, 12, 13], [14, 15, -1, -1], [16, 17, 18, 19]])
     assert sum(calls) == 37 + 21 + 50
@@ -299,7 +318,7 @@ def _prefill(lens=(5, 3), initial=(0, 1), final=None, offsets=None, rows=None, *
     kw = dict(initial_state_indices=t(initial), final_state_indices=t(final), checkpoint_offsets=t(offsets),
               checkpoint_indices=t(rows), cu_seqlens=cu)
     kw.update(changes)
-    _pool.pool_chunk_prefill(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], **kw)
+    prefill(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], **kw)
 
 
 DECODE_ERRORS = {
@@ -492,7 +511,7 @@ def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec
             lens = [r.prompt - r.start for r in admitted]
             cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
             with torch.no_grad():
-                o = _pool.pool_chunk_prefill(
+                o = prefill(
                     *(torch.cat([p[f] for p in pieces], dim=1) for f in FIELDS), None, pool,
                     initial_state_indices=torch.tensor([cache_rows[r.hit[0]] if r.hit else -1 for r in admitted]),
                     final_state_indices=torch.tensor([r.block[0] for r in admitted]),

@@ -202,3 +202,31 @@ def test_compiled_eval_layer_decode() -> None:
         y = compiled(token)
         expected = layer(token, cache=eager_cache)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend, error", [("recurrent", BackendError), ("fla", FlaBackendError),
+                                            ("pypto", PyptoBackendError)])
+def test_pool_steps_only_on_backends_that_have_one(backend: str, error: type) -> None:
+    x = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                    dtype=torch.float32)
+    pool = torch.zeros(4, 2, 16, 16)
+    with pytest.raises(error, match=rf"backend '{backend}' cannot serve this step over a state pool: .*"
+                                    r"no step over a state pool"):
+        torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]),
+                                                   backend=backend)
+
+
+def test_pool_step_without_kernels_warns_once_and_runs_torch(monkeypatch) -> None:
+    reason = _kernels_missing(monkeypatch)
+    x = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                    dtype=torch.float32)
+    pools = [torch.randn(4, 2, 16, 16, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    pools[1] = pools[0].clone()
+    rows = torch.tensor([2, 0])
+    expected, _ = torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=pools[0], ssm_state_indices=rows,
+                                                             backend="torch")
+    with pytest.warns(CpuFallbackWarning, match=re.escape(reason)):
+        got, pool = torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=pools[1], ssm_state_indices=rows)
+    assert pool is pools[1]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    torch.testing.assert_close(pools[1], pools[0], atol=0, rtol=0)

@@ -46,7 +46,7 @@ copies its initial state to its final row. Checkpoints: see :func:`pool_chunk_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -451,9 +451,8 @@ def _segments(plan: PoolPlan) -> list[list[int]]:
 def pool_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                        pool: Tensor, *, initial_state_indices: Tensor, final_state_indices: Optional[Tensor] = None,
                        checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
-                       cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-                       chunk_size: int = 64, state_v_first: bool = False, backend: Optional[str] = None,
-                       validate: bool = True) -> Tensor:
+                       cu_seqlens: Optional[Tensor] = None, state_v_first: bool = False,
+                       chunk_call: Callable[..., tuple[Tensor, Tensor]], validate: bool = True) -> Tensor:
     """The chunked op over a pool: read each sequence's initial row, write its final state
     (and its checkpoints) to rows, in place.
 
@@ -473,20 +472,21 @@ def pool_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     than the most inner offsets of one sequence, and each segment's tail chunk is padded.
 
     Args:
-        q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size, backend:
-            as :func:`torch_gdr.chunk_gated_delta_rule`.
+        q, k, v, g, beta, scale, cu_seqlens: as :func:`torch_gdr.chunk_gated_delta_rule`.
         pool: the state pool (module docstring), updated in place.
         initial_state_indices: ``[N]`` rows to start from (-1: zeros).
         final_state_indices: ``[N]`` rows for the final states (-1: not written); None: the
             initial rows.
         checkpoint_offsets, checkpoint_indices: see above, or None.
         state_v_first: the pool is value-first.
+        chunk_call: ``chunk_call(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> (o,
+            final_state)``, the chunked call on packed ``[1, T, ...]`` pieces with a key-first
+            float32 initial state (the caller binds the backend, chunk size and l2norm).
         validate: check index values also when they live on a device.
 
     Returns:
         ``o`` in the shape and dtype of v.
     """
-    import torch_gdr  # the public op; imported here as the package imports this module's users
 
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                            initial_state_indices=initial_state_indices, final_state_indices=final_state_indices,
@@ -498,10 +498,7 @@ def pool_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     bounds = _segments(plan)
 
     def run(pieces: list[Tensor], cu: list[int], initial: Tensor) -> tuple[Tensor, Tensor]:
-        cu_t = torch.tensor(cu, dtype=torch.int64)
-        return torch_gdr.chunk_gated_delta_rule(*pieces, scale, initial, True, use_qk_l2norm_in_kernel=
-                                                use_qk_l2norm_in_kernel, cu_seqlens=cu_t, chunk_size=chunk_size,
-                                                backend=backend)
+        return chunk_call(*pieces, scale, initial, torch.tensor(cu, dtype=torch.int64))
 
     def write_checkpoints(seqs: list[int], reached: list[int], seq_states: Tensor, at_start: bool = False) -> None:
         """Write the checkpoints at the positions ``reached`` (one per sequence of ``seqs``,

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from torch_gdr._layout import canonical_call
-from torch_gdr._validate import CHUNK_SIZES, check_inputs
+from torch_gdr._pool import pool_chunk_prefill
+from torch_gdr._validate import CHUNK_SIZES, check_chunk_size, check_inputs
+from torch_gdr.dispatch.registry import select
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_step
-from torch_gdr.ops._backend import OpArgs
+from torch_gdr.ops._backend import CallSpec, OpArgs
 from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
 if TYPE_CHECKING:
@@ -34,6 +36,11 @@ def chunk_gated_delta_rule(
     backend: Optional[str] = None,
     checkpoint_every: Optional[int] = None,
     cp_context: Optional["CPContext"] = None,
+    initial_state_indices: Optional[torch.Tensor] = None,
+    final_state_indices: Optional[torch.Tensor] = None,
+    checkpoint_offsets: Optional[torch.Tensor] = None,
+    checkpoint_indices: Optional[torch.Tensor] = None,
+    validate: bool = True,
 ) -> tuple[Optional[torch.Tensor], ...]:
     r"""The chunked gated delta rule, a drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
@@ -81,6 +88,20 @@ def chunk_gated_delta_rule(
             split over the context's process group, ``cu_seqlens`` None or the context's local
             offsets; every rank calls together (one all-gather forward, one in the backward).
             See :func:`torch_gdr.distributed.context_parallel_chunk_gated_delta_rule`.
+        initial_state_indices: serving over a state pool (:mod:`torch_gdr._pool`):
+            ``initial_state`` is then the pool ``[slots, HV, K, V]`` (value-first with
+            ``state_v_first``; float32, bfloat16 or float16, padded row strides allowed) and
+            sequence n starts from row ``initial_state_indices[n]`` (``[N]`` int32/int64; -1:
+            a zero state). Inference only. The call returns ``(o, pool)``, the pool updated
+            in place.
+        final_state_indices: ``[N]`` rows the final states are written to (-1: not written);
+            None: the initial rows.
+        checkpoint_offsets, checkpoint_indices: ``[N, M]`` (or ``[N]``): the state of sequence
+            n after its first ``checkpoint_offsets[n, m]`` tokens (any offset, not only
+            multiples of the chunk) is written to row ``checkpoint_indices[n, m]`` (-1:
+            padding), within the one pass over the tokens.
+        validate: check pool indices also when they live on a device (a host sync); indices
+            on the CPU are always checked.
 
     Returns:
         ``o`` in the shape of v and dtype of v (q/k may have another float dtype than v), and
@@ -109,6 +130,18 @@ def chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             state_v_first=state_v_first, backend=backend, cp_context=cp_context)
+    if any(x is not None for x in (initial_state_indices, final_state_indices, checkpoint_offsets,
+                                    checkpoint_indices)):
+        if checkpoint_every is not None:
+            raise ValueError(f"checkpoint_every: not available with a state pool (pass checkpoint_offsets and "
+                             f"checkpoint_indices instead), got checkpoint_every={checkpoint_every!r}")
+        if initial_state_indices is None:
+            raise ValueError("initial_state_indices: required with final_state_indices or checkpoints over a "
+                             "state pool (the rows each sequence starts from), got None")
+        check_chunk_size(chunk_size)
+        return _pool_prefill(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                             chunk_size, state_v_first, backend, initial_state_indices, final_state_indices,
+                             checkpoint_offsets, checkpoint_indices, validate)
     grad = _needs_grad(q, k, v, g, beta, initial_state)
     if checkpoint_every is not None and grad:
         raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
@@ -128,6 +161,28 @@ def chunk_gated_delta_rule(
 chunked_gated_delta_rule = chunk_gated_delta_rule
 
 
+def _pool_prefill(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first,
+                  backend, initial_state_indices, final_state_indices, checkpoint_offsets, checkpoint_indices,
+                  validate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked call over a state pool (:func:`torch_gdr._pool.pool_chunk_prefill`), each
+    piece through the backend dispatch picks."""
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"initial_state: expected the state pool tensor with initial_state_indices, got "
+                        f"{type(pool).__name__}")
+
+    def chunk_call(q_, k_, v_, g_, beta_, scale_, initial, cu):
+        args = OpArgs(q_, k_, v_, g_, beta_, None if scale_ is None else float(scale_), initial, True,
+                      use_qk_l2norm_in_kernel, cu, chunk_size, False)
+        return run_chunk(args, False, backend)
+
+    with torch.no_grad():
+        o = pool_chunk_prefill(q, k, v, g, beta, scale, pool, initial_state_indices=initial_state_indices,
+                               final_state_indices=final_state_indices, checkpoint_offsets=checkpoint_offsets,
+                               checkpoint_indices=checkpoint_indices, cu_seqlens=cu_seqlens,
+                               state_v_first=state_v_first, chunk_call=chunk_call, validate=validate)
+    return o, pool
+
+
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,6 +197,10 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     state_v_first: bool = False,
     backend: Optional[str] = None,
+    ssm_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    inplace_final_state: bool = True,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule one token at a time, for decoding and short inputs, a drop-in for
     ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta`` by name, as
@@ -157,6 +216,17 @@ def fused_recurrent_gated_delta_rule(
     then ``"torch"`` on CPU tensors, ``"fla"`` then ``"torch"`` on CUDA, ``"torch"``
     elsewhere), so a call that needs gradients runs ``"torch"``.
 
+    Serving over a state pool (vLLM's names and meaning, :mod:`torch_gdr._pool`): with
+    ``ssm_state_indices`` (``[N]``: one token per sequence, or ``[N, S]``: up to S tokens for
+    speculative verification; int32/int64; -1: a zero state, never written),
+    ``initial_state`` is the pool ``[slots, HV, K, V]`` (value-first with ``state_v_first``;
+    float32, bfloat16 or float16); sequence n starts from row ``ssm_state_indices[n, 0]``, or
+    ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` when ``num_accepted_tokens`` (``[N]``,
+    1..S) is given, and the state after its token j is written to row
+    ``ssm_state_indices[n, j]``, in place (``inplace_final_state=True``, the only mode here).
+    Inference only; returns ``(o, pool)``. ``validate``: check the indices also when they live
+    on a device (a host sync); CPU indices are always checked.
+
     Raises:
         TypeError: non-tensor or non-floating inputs, q and k of different dtypes,
             non-integer ``cu_seqlens``.
@@ -171,6 +241,12 @@ def fused_recurrent_gated_delta_rule(
         g = torch.zeros(lead, dtype=torch.float32, device=v.device)
     if beta is None:
         beta = torch.ones(lead, dtype=torch.float32, device=v.device)
+    if ssm_state_indices is not None:
+        return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                          state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                          validate)
+    if num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens: only with ssm_state_indices (a state pool), got a tensor without them")
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
     grad = _needs_grad(q, k, v, g, beta, initial_state)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -179,3 +255,19 @@ def fused_recurrent_gated_delta_rule(
     # every backend's step returns a new final state (an op's output, or the pure-torch step's own)
     o, final_state = call.public_outputs(o, final_state, may_alias=False)
     return o, (final_state if output_final_state else None)
+
+
+def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
+               ssm_state_indices, num_accepted_tokens, inplace_final_state, validate):
+    """The step over a state pool, in place, on the backend serving it."""
+    if inplace_final_state is not True:
+        raise ValueError(f"inplace_final_state: only True (states written into the pool's rows) is supported, "
+                         f"got {inplace_final_state!r}")
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"initial_state: expected the state pool tensor with ssm_state_indices, got "
+                        f"{type(pool).__name__}")
+    selection = select(CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False), backend)
+    o = selection.backend.pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                    state_v_first=state_v_first, validate=validate)
+    return o, pool

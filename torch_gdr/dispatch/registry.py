@@ -58,6 +58,7 @@ UNIVERSAL_BACKEND = "torch"
 DEVICE_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("chunk", "cpu"): ("cpu", "torch"),
     ("step", "cpu"): ("cpu", "torch"),
+    ("pool_step", "cpu"): ("cpu", "torch"),
     ("chunk", "cuda"): ("fla", "torch"),
     ("step", "cuda"): ("fla", "torch"),
     ("chunk", "npu"): ("pypto", "torch"),
@@ -111,7 +112,8 @@ def _warns(backend: Backend, reasons: list[Reason]) -> bool:
 
 def _entry_words(entry: str) -> str:
     return {"chunk": "this call", "step": "this token-by-token call",
-            "checkpoints": "this call with checkpoint_every"}[entry]
+            "checkpoints": "this call with checkpoint_every",
+            "pool_step": "this step over a state pool"}[entry]
 
 
 @torch.compiler.assume_constant_result

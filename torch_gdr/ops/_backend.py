@@ -15,6 +15,7 @@ Entry points a backend may serve:
 ``"step"``     the token-by-token call (``fused_recurrent_gated_delta_rule``, the
                layer's decode step)
 ``"checkpoints"`` the chunked call with ``checkpoint_every`` (serving)
+``"pool_step"`` the step over a state pool, in place (``ssm_state_indices``; serving)
 ============== ======================================================================
 """
 
@@ -29,7 +30,7 @@ from torch_gdr._fallback import BackendError, FallbackWarning
 
 Tensor = torch.Tensor
 
-ENTRIES: tuple[str, ...] = ("chunk", "step", "checkpoints")
+ENTRIES: tuple[str, ...] = ("chunk", "step", "checkpoints", "pool_step")
 
 
 class Reason(str):
@@ -146,6 +147,8 @@ class Backend:
         step: the token-by-token call, or None (an op, or plain differentiable torch).
         checkpoints: ``checkpoints(args, checkpoint_every) -> (o, final_state, checkpoints,
             offsets)`` for the checkpoints entry, or None.
+        pool_step: the step over a state pool in place (the arguments of
+            :func:`torch_gdr._pool.pool_recurrent_step`; returns ``o``), or None.
         may_fail: its kernels can fail at run time (a build or a refusal inside the call),
             which the policy treats as a fallback reason.
         warns_when_unsupported: as the default of its device, it warns (once per reason)
@@ -165,6 +168,7 @@ class Backend:
     keeps_chunk_states: bool = False
     step: Optional[StepFn] = None
     checkpoints: Optional[Callable[..., tuple]] = None
+    pool_step: Optional[Callable[..., Tensor]] = None
     may_fail: bool = False
     warns_when_unsupported: bool = False
     error: type[BackendError] = BackendError
@@ -181,7 +185,8 @@ class Backend:
         reasons: list[Reason] = []
         if call.entry not in caps.entries:
             what = {"chunk": "the chunked call", "step": "the token-by-token step",
-                    "checkpoints": "checkpoints (checkpoint_every)"}[call.entry]
+                    "checkpoints": "checkpoints (checkpoint_every)",
+                    "pool_step": "step over a state pool (ssm_state_indices)"}[call.entry]
             reasons.append(Reason(f"it has no {what}"))
         if caps.device_types is not None and call.device.type not in caps.device_types:
             reasons.append(Reason(f"it runs on {' or '.join(caps.device_types)} tensors, not on "
@@ -196,7 +201,7 @@ class Backend:
                                            or call.head_v_dim not in caps.head_dims):
             reasons.append(Reason(f"it has head dims K, V in {list(caps.head_dims)}, got K = {call.head_k_dim}, "
                                   f"V = {call.head_v_dim}"))
-        if call.entry != "step" and caps.chunk_sizes is not None and call.chunk_size not in caps.chunk_sizes:
+        if call.entry in ("chunk", "checkpoints") and caps.chunk_sizes is not None and call.chunk_size not in caps.chunk_sizes:
             reasons.append(Reason(f"it has chunk sizes {list(caps.chunk_sizes)}, got chunk_size = {call.chunk_size}"))
         if needs_grad:
             if call.entry == "chunk" and not caps.training:

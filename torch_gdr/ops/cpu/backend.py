@@ -15,6 +15,7 @@ from torch_gdr._fallback import CpuBackendError, CpuFallbackWarning
 from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, Reason
 from torch_gdr.ops.cpu import kernels
 from torch_gdr.ops.cpu.op import cpu_bwd, cpu_fwd, cpu_step
+from torch_gdr.ops.cpu.pool import pool_recurrent_fwd
 
 
 @torch.compiler.assume_constant_result
@@ -33,12 +34,13 @@ def _missing(call: CallSpec) -> list[Reason]:
 
 BACKEND = Backend(
     name="cpu",
-    capabilities=Capabilities(entries=frozenset({"chunk", "step"}), device_types=("cpu",),
+    capabilities=Capabilities(entries=frozenset({"chunk", "step", "pool_step"}), device_types=("cpu",),
                               dtypes=kernels.KERNEL_DTYPES, same_dtype=True, step_training=False),
     forward_op=cpu_fwd,
     backward_op=cpu_bwd,
     keeps_chunk_states=True,
     step=cpu_step,
+    pool_step=pool_recurrent_fwd,
     error=CpuBackendError,
     warning=CpuFallbackWarning,
     description="the fused C++/OpenMP kernels on CPU tensors",

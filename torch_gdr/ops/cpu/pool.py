@@ -3,8 +3,9 @@
 One parallel region over (sequence, value head): each reads its start row, runs its tokens
 and writes the state after each token to that token's row, straight into a float32
 key-first pool (no gathered copy of the states), through a float32 buffer for bfloat16,
-float16 and value-first pools. Without the extension (no compiler), the pure-torch step
-:func:`torch_gdr._pool.pool_recurrent_step` runs instead, with the same results.
+float16 and value-first pools. The ``"cpu"`` backend serves pool steps only where the
+extension is loaded (:mod:`.backend`); dispatch runs the pure-torch step
+(:func:`torch_gdr._pool.pool_recurrent_step`) elsewhere.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                        pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                        cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-                       state_v_first: bool = False) -> Tensor:
-    """The decode step over a pool on CPU tensors, in place.
+                       state_v_first: bool = False, validate: bool = True) -> Tensor:
+    """The decode step over a pool on CPU tensors, in place; q, k and v of one dtype.
 
     Args:
         q, k: ``[B, T, H, K]`` or token-major ``[T, H, K]``; float32, float16 or bfloat16
@@ -42,6 +43,7 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
             :mod:`torch_gdr._pool`); always validated (they are on the CPU).
         num_accepted_tokens: ``[N]`` int32/int64 in ``1..S``, or None.
         cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
+        validate: unused (CPU indices are always checked: the kernel reads by them).
 
     Returns:
         ``o`` in the shape and dtype of v.
@@ -50,10 +52,11 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     if q.device.type != "cpu":
         raise ValueError(f"q: expected CPU tensors for the fused CPU pool step, got {q.device}")
-    ext = _build.load() if v.dtype in KERNEL_DTYPES else None
+    if v.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"v: the fused CPU pool step takes float32, float16 or bfloat16, got {v.dtype}")
+    ext = _build.load()
     if ext is None:
-        return _pool.pool_recurrent_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
-                                         cu_seqlens, use_qk_l2norm_in_kernel, state_v_first)
+        raise RuntimeError(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()})")
     batched = [t.unsqueeze(0) if plan.token_major else t for t in (q, k, v, g, beta)]
     dtype = v.dtype
     qb, kb, vb = _as(batched[0], dtype), _as(batched[1], dtype), _as(batched[2], dtype)

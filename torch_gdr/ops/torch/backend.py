@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torch_gdr._pool import pool_recurrent_step
 from torch_gdr.ops._backend import ENTRIES, Backend, Capabilities
 from torch_gdr.ops.torch.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ops.torch.op import torch_bwd, torch_fwd, torch_step
@@ -14,5 +15,6 @@ BACKEND = Backend(
     keeps_chunk_states=True,
     step=torch_step,
     checkpoints=chunk_gated_delta_rule_with_checkpoints,
+    pool_step=pool_recurrent_step,
     description="the chunked algorithm in pure torch, any device",
 )

@@ -122,7 +122,7 @@ def test_cache_feeds_back_across_chunks() -> None:
         pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
         assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
     cache.reorder(torch.tensor([1]))
-    assert cache.get(layer).recurrent_state.shape[0] == 1 and cache.get(layer).conv_state.shape[0] == 1
+    assert cache.get(layer.cache_key).recurrent_state.shape[0] == 1 and cache.get(layer.cache_key).conv_state.shape[0] == 1
 
 
 def _stack_decode(layers: list[GatedDeltaNet], x: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -219,9 +219,9 @@ def test_padded_decode_token_leaves_state_alone() -> None:
     with torch.no_grad():
         cache = GatedDeltaNetCache()
         layer(x[:, :4], cache=cache)
-        before = cache.get(layer)
+        before = cache.get(layer.cache_key)
         layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
-        after = cache.get(layer)
+        after = cache.get(layer.cache_key)
         assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
         assert torch.equal(after.conv_state[0], before.conv_state[0])
         assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])
@@ -394,3 +394,43 @@ def test_compiled_layer_trains_across_lengths_and_packings() -> None:
             results.append((y.detach(), leaf.grad, layer.in_proj_qkvz.weight.grad, layer.A_log.grad))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer_idx", [None, 2])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_cache_continues_the_same_states(layer_idx, how: str) -> None:
+    """Forking a cache (beam search, a shared prefix) by ``copy.deepcopy`` or pickle: the
+    copy's decode continues the prompt's states exactly as the original's does, and it files
+    the step under the same entry (one entry, not a second one from zeros)."""
+    import copy
+    import pickle
+
+    layer = make_layer(layer_idx=layer_idx)
+    x = inputs(2, 10)
+    with torch.no_grad():
+        whole = layer(x)
+        cache = GatedDeltaNetCache()
+        layer(x[:, :9], cache=cache)
+        fork = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+        from_fork = layer(x[:, 9:], cache=fork)
+        from_original = layer(x[:, 9:], cache=cache)
+    assert len(fork) == 1 and fork.get_seq_length() == 10
+    assert (from_fork - whole[:, 9:]).abs().max().item() < 1e-5
+    assert torch.equal(from_fork, from_original)
+
+
+def test_deep_copies_of_a_layer_sharing_a_cache_keep_their_own_states() -> None:
+    """A stack built from deep copies of one layer (built without layer_idx), with weights
+    changed after the copy: decoding the stack through one cache equals running it whole."""
+    import copy
+
+    first = make_layer(seed=0)
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        second.in_proj_qkvz.weight.mul_(-0.5)
+    assert second.cache_key != first.cache_key
+    x = inputs(2, 12)
+    with torch.no_grad():
+        want = second(first(x))
+        got = _stack_decode([first, second], x, prompt_len=7)
+    assert (got - want).abs().max().item() < 1e-5

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import uuid
 from typing import Any, Optional
 
 import torch
@@ -64,8 +66,8 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: K of the short conv.
         norm_eps: eps of the gated RMSNorm.
         layer_idx: this layer's entry in a :class:`GatedDeltaNetCache` (transformers' numbering);
-            None (the default): the entry is filed under the layer object itself, so layers
-            built without an index never share one. Two layers built with the same index
+            None (the default): the entry is filed under an identifier of the layer's own
+            (:attr:`cache_key`), so layers built without an index never share one. Two layers built with the same index
             that use one cache raise ``ValueError``.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
@@ -109,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
         self.layer_idx = layer_idx
+        self._cache_uid = self._new_cache_uid()
         self.chunk_size = chunk_size
         self.backend = backend
         self.decode_backend = decode_backend
@@ -138,11 +141,27 @@ class GatedDeltaNet(nn.Module):
             **kwargs,
         )
 
+    @staticmethod
+    def _new_cache_uid() -> str:
+        return f"GatedDeltaNet-{uuid.uuid4().hex}"
+
     @property
     def cache_key(self) -> CacheKey:
         """What this layer's entry in a :class:`GatedDeltaNetCache` is filed under: ``layer_idx``,
-        or the layer itself when it has none."""
-        return self if self.layer_idx is None else self.layer_idx
+        or, when it has none, an identifier drawn when the layer was built (a ``str``). Not the
+        layer object, so that a deep copy or a pickle of the cache still finds the entry."""
+        return self._cache_uid if self.layer_idx is None else self.layer_idx
+
+    def __deepcopy__(self, memo: dict) -> "GatedDeltaNet":
+        """A deep copy of the layer is another layer (``nn.ModuleList`` of copies, as stacks are
+        often built): it draws its own cache identifier, so the copies sharing a cache keep
+        their own entries. (Pickling keeps the identifier: a saved model and its saved cache
+        still match.)"""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__dict__, memo))
+        clone.__dict__["_cache_uid"] = self._new_cache_uid()
+        return clone
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, hidden]`` -> conv input ``[B, T, conv_dim]`` (q | k | v), z ``[B, T, HV, dv]``,

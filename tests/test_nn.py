@@ -434,3 +434,30 @@ def test_deep_copies_of_a_layer_sharing_a_cache_keep_their_own_states() -> None:
         want = second(first(x))
         got = _stack_decode([first, second], x, prompt_len=7)
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("decode_backend", [None, "recurrent"])
+def test_right_padding_mask_then_decode(decode_backend) -> None:
+    """Right-padded prompts (real tokens first, as a batch of prompts is often packed) prefilled
+    into a cache, then decoded: the steps equal those of each unpadded sequence, the conv
+    state included (it must hold each row's last real inputs, not the padding). Rows shorter
+    than the conv's history and a row with no padding are in the batch."""
+    layer = make_layer("torch", decode_backend=decode_backend)
+    lengths = [9, 12, 2, 1]
+    total, extra = 12, 3
+    seqs = [inputs(1, n + extra, seed=40 + i) for i, n in enumerate(lengths)]
+    x = torch.full((len(lengths), total, HIDDEN), 5.0)  # garbage in the padding must not matter
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        x[i, :n] = s[0, :n]
+        mask[i, :n] = 1
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        prompt_out = layer(x, attention_mask=mask, cache=cache)
+        steps = [layer(torch.cat([s[:, n + t : n + t + 1] for s, n in zip(seqs, lengths)]), cache=cache)
+                 for t in range(extra)]
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            whole = layer(s)
+            assert (prompt_out[i, :n] - whole[0, :n]).abs().max().item() < 1e-5
+            got = torch.cat([st[i] for st in steps])
+            assert (got - whole[0, n:]).abs().max().item() < 1e-5, i

@@ -22,6 +22,34 @@ from torch_gdr.nn.short_conv import ShortConvolution
 RECURRENT_MAX_LEN = 64
 
 
+def _last_real_inputs(conv_initial: Optional[torch.Tensor], conv_input: torch.Tensor, mask: torch.Tensor,
+                      history: int) -> torch.Tensor:
+    """The conv state after a padded call: per row, the inputs at its last ``history`` real
+    tokens, preceded by the row's previous state when it has fewer real tokens than that.
+    With left padding (or none) these are the last ``history`` inputs, as the conv returns;
+    with right padding or a padded decode token, the padding is skipped.
+
+    Args:
+        conv_initial: ``[B, C, history]``, the state the call started from, or None (zeros).
+        conv_input: ``[B, T, C]``, the conv's inputs.
+        mask: ``[B, T]``, nonzero at real tokens.
+        history: ``K - 1`` of the conv.
+
+    Returns:
+        ``[B, C, history]`` in the dtype of ``conv_input``, oldest first.
+    """
+    batch, num_tokens, channels = conv_input.shape
+    prefix = (conv_input.new_zeros(batch, history, channels) if conv_initial is None
+              else conv_initial.to(conv_input.dtype).transpose(1, 2))
+    full = torch.cat([prefix, conv_input], dim=1)  # [B, history + T, C]
+    positions = torch.arange(history + num_tokens, device=conv_input.device)
+    real = torch.cat([mask.new_ones(batch, history), mask], dim=1) != 0
+    # The history largest positions of real tokens (the prefix counts as real, so there are enough).
+    ranked = torch.where(real, positions, -1).topk(history, dim=1).values.flip(1)  # [B, history]
+    picked = full.gather(1, ranked[..., None].expand(batch, history, channels))
+    return picked.transpose(1, 2).contiguous()
+
+
 class GatedDeltaNet(nn.Module):
     r"""The Gated DeltaNet token mixer: projections, short conv, gated delta rule, gated norm.
 
@@ -186,9 +214,12 @@ class GatedDeltaNet(nn.Module):
                 ``cu_seqlens``; float32, float16, bfloat16 or float64 (the parameters' dtype).
             attention_mask: ``[B, T]`` padding mask, 1 (or True) for real tokens and 0 for
                 padding, or None. Padded tokens are zeroed before the projections and leave
-                the recurrent state untouched (no decay, no write), so with left padding (as
-                in generation) every real token's output and the cached state equal those of
-                the unpadded sequence. Outputs at padded positions are not meaningful. Any
+                the recurrent state untouched (no decay, no write), and the cached conv state
+                holds each row's last real inputs, so with left padding (as in generation) or
+                right padding every real token's output and the cached states equal those of
+                the unpadded sequence. (Padding between real tokens leaves the state right
+                but feeds zeros to the conv of the tokens after it.) Outputs at padded
+                positions are not meaningful. Any
                 other value raises (checked in eager mode unless the mask is bool).
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
@@ -242,8 +273,13 @@ class GatedDeltaNet(nn.Module):
             from torch_gdr.distributed.layer import context_parallel_layer_inputs
             conv_initial, cu_seqlens, op = context_parallel_layer_inputs(cp_context, mixed, self.conv_kernel_size,
                                                                          cu_seqlens, cache)
+        conv_input = mixed
         mixed, conv_state = self.conv1d(mixed, initial_state=conv_initial,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if conv_state is not None and mask is not None and cu_seqlens is None:
+            # Padding anywhere (right padding, a padded decode token) must not enter the conv
+            # window that the next call continues from.
+            conv_state = _last_real_inputs(conv_initial, conv_input, mask, self.conv_kernel_size - 1)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
@@ -277,10 +313,6 @@ class GatedDeltaNet(nn.Module):
 
         if cache is not None:
             assert conv_state is not None and recurrent_state is not None
-            if mask is not None and seq_len == 1 and previous is not None:
-                # A padded decode token must not shift the conv window either.
-                keep = mask[:, 0, None, None] > 0
-                conv_state = torch.where(keep, conv_state, previous.conv_state)
             cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self)
 
         o = self.norm(o, z)

@@ -276,11 +276,20 @@ def test_bad_inputs_raise() -> None:
     ({"chunk_size": 48}, ValueError, "chunk_size"),
     ({"chunk_size": 64.0}, TypeError, "chunk_size"),
     ({"chunk_size": True}, TypeError, "chunk_size"),
+    ({"recurrent_max_len": "abc"}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": 2.5}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": True}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": -5}, ValueError, "recurrent_max_len"),
 ])
 def test_bad_settings_raise_when_the_layer_is_built(settings: dict, error: type, argument: str) -> None:
     config = {"hidden_size": HIDDEN, "num_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, **settings}
     with pytest.raises(error, match=f"^{argument}: "):
         GatedDeltaNet(**config)
+
+
+def test_recurrent_max_len_zero_is_allowed() -> None:
+    """0 turns the fused-recurrent step off; it is a setting, not an error."""
+    assert make_layer(recurrent_max_len=0).recurrent_max_len == 0
 
 
 @pytest.mark.parametrize("settings, error", [

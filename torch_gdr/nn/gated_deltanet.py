@@ -13,7 +13,8 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.backends import BACKEND_ENV_VAR, smallest_chunk_size
-from torch_gdr.nn._checks import check_attention_mask, check_backend, check_chunk_size, check_positive_int
+from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chunk_size, check_non_negative_int,
+                                  check_positive_int)
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
@@ -128,6 +129,7 @@ class GatedDeltaNet(nn.Module):
         check_chunk_size("chunk_size", chunk_size)
         check_backend("backend", backend)
         check_backend("decode_backend", decode_backend)
+        check_non_negative_int("recurrent_max_len", recurrent_max_len)
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_k_heads = num_heads

@@ -292,6 +292,14 @@ def test_recurrent_max_len_zero_is_allowed() -> None:
     assert make_layer(recurrent_max_len=0).recurrent_max_len == 0
 
 
+@pytest.mark.parametrize("model", ["not a model", None, [torch.nn.Linear(2, 2)]])
+def test_use_torch_gdr_of_something_else_than_a_module_raises(model) -> None:
+    from torch_gdr.integrations.transformers import use_torch_gdr
+
+    with pytest.raises(TypeError, match=r"^model: expected a torch\.nn\.Module .*, got "):
+        use_torch_gdr(model)
+
+
 @pytest.mark.parametrize("settings, error", [
     ({"backend": "nope"}, ValueError), ({"backend": 1}, TypeError),
     ({"chunk_size": 48}, ValueError), ({"chunk_size": 64.0}, TypeError),

@@ -300,6 +300,25 @@ def test_use_torch_gdr_of_something_else_than_a_module_raises(model) -> None:
         use_torch_gdr(model)
 
 
+@pytest.mark.parametrize("layer_dtype, input_dtype", [(torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.int64)])
+def test_an_input_of_another_dtype_than_the_layer_raises(layer_dtype, input_dtype) -> None:
+    layer = make_layer(dtype=layer_dtype)
+    x = inputs(2, 3).to(input_dtype)
+    pattern = f"^hidden_states: expected dtype {layer_dtype} .*got {input_dtype}"
+    with pytest.raises(TypeError, match=pattern):
+        layer(x)
+
+
+def test_an_input_of_another_dtype_runs_under_autocast() -> None:
+    """Under autocast the projections cast for themselves: no dtype check there."""
+    layer = make_layer()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(inputs(2, 3).bfloat16())
+    assert torch.isfinite(y).all()
+
+
 @pytest.mark.parametrize("settings, error", [
     ({"backend": "nope"}, ValueError), ({"backend": 1}, TypeError),
     ({"chunk_size": 48}, ValueError), ({"chunk_size": 64.0}, TypeError),

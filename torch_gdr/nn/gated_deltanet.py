@@ -239,12 +239,17 @@ class GatedDeltaNet(nn.Module):
             ``[B, T, hidden]``, dtype of hidden_states.
 
         Raises:
+            TypeError: hidden_states of another dtype than the parameters (outside autocast).
             ValueError: a shape that does not fit (B = 0 or T = 0 included), a mask value
                 other than 0 and 1, a cache entry that holds another number of sequences or
                 was filled by another layer with the same ``layer_idx``.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
+        expected_dtype = self.in_proj_qkvz.weight.dtype
+        if hidden_states.dtype != expected_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states: expected dtype {expected_dtype} (the layer's parameters'), got "
+                            f"{hidden_states.dtype}; cast the input, or the layer with layer.to(dtype)")
         batch, seq_len = hidden_states.shape[:2]
         if batch == 0 or seq_len == 0:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}] with B >= 1 and T >= 1, "

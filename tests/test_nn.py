@@ -121,8 +121,25 @@ def test_cache_feeds_back_across_chunks() -> None:
     with torch.no_grad():
         pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
         assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
-    cache.reorder(torch.tensor([1]))
-    assert cache.get(layer.cache_key).recurrent_state.shape[0] == 1 and cache.get(layer.cache_key).conv_state.shape[0] == 1
+
+
+@pytest.mark.parametrize("layer_idx", [None, 0])
+def test_a_reordered_cache_continues_each_kept_sequence(layer_idx) -> None:
+    """``cache.reorder(index)`` as beam search uses it (drop, permute and duplicate rows): row
+    i of the reordered cache continues sequence ``index[i]``, so decoding from it equals
+    running that sequence's prompt and continuation whole."""
+    layer = make_layer("torch", layer_idx=layer_idx)
+    prompts = inputs(3, 11)
+    index = torch.tensor([2, 0, 0])
+    continuation = inputs(3, 4, seed=7)  # row i continues prompt index[i]
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        layer(prompts, cache=cache)
+        cache.reorder(index)
+        steps = torch.cat([layer(continuation[:, t : t + 1], cache=cache) for t in range(4)], dim=1)
+        whole = layer(torch.cat([prompts[index], continuation], dim=1))
+    assert cache.get(layer.cache_key).recurrent_state.shape[0] == 3
+    assert (steps - whole[:, 11:]).abs().max().item() < 1e-5
 
 
 def _stack_decode(layers: list[GatedDeltaNet], x: torch.Tensor, prompt_len: int) -> torch.Tensor:

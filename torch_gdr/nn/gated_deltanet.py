@@ -96,8 +96,8 @@ class GatedDeltaNet(nn.Module):
         norm_eps: eps of the gated RMSNorm.
         layer_idx: this layer's entry in a :class:`GatedDeltaNetCache` (transformers' numbering);
             None (the default): the entry is filed under an identifier of the layer's own
-            (:attr:`cache_key`), so layers built without an index never share one. Two layers built with the same index
-            that use one cache raise ``ValueError``.
+            (:attr:`cache_key`), so layers built without an index never share one. Two
+            layers built with the same index that use one cache raise ``ValueError``.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
         decode_backend: backend of single-token decode steps (``backend`` when None).
@@ -221,8 +221,8 @@ class GatedDeltaNet(nn.Module):
                 right padding every real token's output and the cached states equal those of
                 the unpadded sequence. (Padding between real tokens leaves the state right
                 but feeds zeros to the conv of the tokens after it.) Outputs at padded
-                positions are not meaningful. Any
-                other value raises (checked in eager mode unless the mask is bool).
+                positions are not meaningful. Any other value raises (checked in eager
+                mode unless the mask is bool).
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry

@@ -37,7 +37,7 @@ def pytest_deselected(items):
 def pytest_collection_finish(session):
     if _deselected_slow:
         session.config.get_terminal_writer().line(
-            f"left out: {len(_deselected_slow)} slow tests (-m \"not slow\"); run them with `make test-slow` "
+            f"left out: {len(_deselected_slow)} slow test(s) (-m \"not slow\"); run them with `make test-slow` "
             "or `python -m pytest -m slow`")
 
 

@@ -8,9 +8,9 @@ The data: variable-length sequences packed into one ``[1, T]`` row with ``cu_seq
 (every token has 3 likely successors, entropy 0.9 nats) followed by a verbatim copy of
 itself. The loss starts near ln(64) = 4.2; the model learns the chain and the loss falls
 to about 1.1 within 150 steps (the mean of the last 10 of the default 250: about 1.06).
-The default run takes about 30 s of CPU time (about 0.12 s a step of ~900 tokens on one
-core), so well under a minute on an idle 2-core machine, and several times that on a busy
-one. Recalling the copy through the recurrent state (which would bring the loss lower,
+The default run (one torch thread, ``--threads``) takes about 25 s of CPU time (about 0.08 s
+a step of ~900 tokens, and a few seconds of start-up), so well under a minute on an idle
+machine, and several times that on a busy one. Recalling the copy through the recurrent state (which would bring the loss lower,
 towards half that) takes much longer training.
 """
 
@@ -65,8 +65,12 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="torch_gdr backend (default: the op's default)")
     parser.add_argument("--chunk-size", type=int, default=32, help="the op's chunk size (16, 32, 64, 128)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default: %(default)s; the model is so small that more threads spend "
+                             "several times the CPU time waiting for each other, and on a busy machine run slower)")
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = 64

@@ -25,6 +25,22 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
+# `make test` (pytest.ini: -m "not slow") leaves the long cases out: say so when the run
+# starts, not only in the summary's last line.
+_deselected_slow: list = []
+
+
+def pytest_deselected(items):
+    _deselected_slow.extend(item for item in items if item.get_closest_marker("slow") is not None)
+
+
+def pytest_collection_finish(session):
+    if _deselected_slow:
+        session.config.get_terminal_writer().line(
+            f"left out: {len(_deselected_slow)} slow test(s) (-m \"not slow\"); run them with `make test-slow` "
+            "or `python -m pytest -m slow`")
+
+
 # Hypothesis keeps caches (and by default an example database) in ./.hypothesis: send them
 # to a temporary directory removed at exit.
 _hypothesis_home = tempfile.mkdtemp(prefix="torch_gdr-hypothesis-")

@@ -202,6 +202,14 @@ def _errors(world_size: int, rank: int) -> dict:
         "layer_cache": lambda: torch_gdr.nn.GatedDeltaNet(**LAYER)(
             torch.zeros(1, ctx.num_tokens, LAYER["hidden_size"]), cache=torch_gdr.nn.GatedDeltaNetCache(),
             cp_context=ctx),
+        # Every rank must build its context from the same arguments: each rank is told, not
+        # only the odd one out, and none waits forever for a rank that already raised.
+        "ranks_disagree_on_cu_seqlens": lambda: torch_gdr.distributed.build_cp_context(
+            torch.tensor([0, 100 + 50 * rank, 256])),
+        "ranks_disagree_on_slice_bounds": lambda: torch_gdr.distributed.build_cp_context(
+            torch.tensor([0, 256]), slice_bounds=[0, *(64 * r + (8 if rank == 0 else 0) for r in range(1, world_size)), 256]),
+        "one_rank_has_bad_cu_seqlens": lambda: torch_gdr.distributed.build_cp_context(
+            torch.tensor([0, 300, 256]) if rank == world_size - 1 else torch.tensor([0, 100, 256])),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -305,7 +313,10 @@ def test_layer_matches_single_process(worlds, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("attempt, argument", [("other_group_size", "cp_context"), ("slice_length", "q"),
-                                               ("initial_state", "initial_state"), ("layer_cache", "cache")])
+                                               ("initial_state", "initial_state"), ("layer_cache", "cache"),
+                                               ("ranks_disagree_on_cu_seqlens", "cu_seqlens"),
+                                               ("ranks_disagree_on_slice_bounds", "slice_bounds"),
+                                               ("one_rank_has_bad_cu_seqlens", "cu_seqlens")])
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_bad_use_is_a_clear_error(worlds, world_size: int, attempt: str, argument: str) -> None:
     for r in worlds(world_size):

@@ -256,25 +256,32 @@ def test_recurrent_step_in_place_and_out() -> None:
 
 
 def test_two_threads_give_the_same_bits(stages: int) -> None:
-    x = _cast(make_forward_inputs(seqlens=[150, 3, 0, 90], num_qk_heads=1, num_v_heads=2, with_initial_state=True),
-              torch.float32)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, x["cu_seqlens"], 32)
+    """Two OpenMP threads give the bits of one, forward, backward and the recurrent step, over
+    several runs: many work units per thread (sequences x heads, chunks), uneven lengths, so a
+    buffer shared between the threads (a data race) shows as changed bits."""
+    x = _cast(make_forward_inputs(seqlens=[150, 3, 0, 90, 41, 64, 1, 17, 128, 5], num_qk_heads=2, num_v_heads=4,
+                                  with_initial_state=True), torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True, x["cu_seqlens"], 32)
     do = torch.randn_like(x["v"])
     threads = torch.get_num_threads()
 
     def run():
         o, s, states = cpu.chunk_fwd(*args, True)
-        return (o, s) + tuple(t for t in cpu.chunk_bwd(do, s, *args, states))
+        grads = cpu.chunk_bwd(do, s, *args, states)
+        step = cpu.recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True,
+                                 x["cu_seqlens"])
+        return (o, s) + tuple(grads) + tuple(step)
 
     try:
         torch.set_num_threads(1)
         one = run()
         torch.set_num_threads(2)
-        two = run()
+        runs = [run() for _ in range(4)]
     finally:
         torch.set_num_threads(threads)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
+    for two in runs:
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
 
 
 def test_concurrent_python_threads() -> None:

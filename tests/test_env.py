@@ -122,3 +122,37 @@ def test_pypto_call_honours_the_users_directories_and_litters_nothing(tmp_path) 
     assert list(cwd.iterdir()) == []
     assert any(p.name.startswith("output_") for p in (tmp_path / "out").iterdir())
     assert any(p.name.startswith("rundata_") for p in (tmp_path / "home" / "run").iterdir())
+
+
+_PYPTO_CALL_LOGGING = """
+import logging, torch, torch.nn.functional as F, torch_gdr
+root = logging.getLogger()
+before = (root.level, list(root.handlers))
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 16, 1, 64) for _ in range(3))
+g, beta = F.logsigmoid(torch.randn(1, 16, 1)), torch.rand(1, 16, 1)
+torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32, backend="pypto")
+after = (root.level, list(root.handlers))
+assert after == before, (before, after)
+logging.getLogger("filelock").debug("a debug record nobody asked to see")
+logging.getLogger("some.library").info("an info record nobody asked to see")
+"""
+
+
+def test_a_pypto_call_leaves_the_users_logging_alone(tmp_path) -> None:
+    """PyPTO's import calls ``logging.basicConfig(level=DEBUG)``: in a process that configured
+    no logging, a ``backend="pypto"`` call must leave the root logger's level and handlers as
+    they were, so that libraries' debug records (filelock's, ...) do not reach stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_gdr.ops.pypto import is_pypto_available
+
+    if not is_pypto_available():
+        pytest.skip("pypto==0.2.0 (the npu extra) is not installed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", _PYPTO_CALL_LOGGING], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nobody asked to see" not in done.stderr, done.stderr[-3000:]

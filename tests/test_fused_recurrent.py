@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import make_inputs
 from functools import partial
 
 import torch_gdr
+from tests.helpers import make_inputs, rmse_ratio
 
 # the pure-torch step (differentiable, every dtype); the exported function's other steps are
 # checked against it and the recurrence below
@@ -172,13 +172,31 @@ def test_single_token_without_autograd_matches_recurrence(case, use_l2norm, stat
     assert all(torch.equal(inputs[n], before[n]) for n in inputs), "inputs must not be written"
 
 
-def test_no_grad_path_equals_autograd_path() -> None:
-    inputs = make_inputs(seq_len=5, batch_size=2, num_v_heads=4, with_initial_state=True, dtype=torch.float32)
-    o, s = fused_recurrent_gated_delta_rule(**_leaves(inputs), output_final_state=True)
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["key_first", "v_first"])
+def test_exported_no_grad_path_and_autograd_path_match_the_recurrence(state_v_first: bool) -> None:
+    """The exported function takes two paths: with autograd the differentiable step, without
+    it the fused kernel (the C++ step on CPU tensors of float32). Both, on float32 inputs with
+    a scale of the caller's, ragged sequences and an initial state, against the float64
+    recurrence on the same inputs."""
+    import torch_gdr
+
+    inputs = make_inputs(seqlens=[5, 1, 0, 23], num_qk_heads=1, num_v_heads=4, with_initial_state=True,
+                         dtype=torch.float32)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(
+        **{n: (t if n == "cu_seqlens" else t.double()) for n, t in inputs.items()}, scale=0.4,
+        use_qk_l2norm_in_kernel=True)
+    if state_v_first:
+        inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
+    options = dict(scale=0.4, output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=state_v_first)
+    o, s = torch_gdr.fused_recurrent_gated_delta_rule(**_leaves(inputs), **options)
     with torch.no_grad():
-        o_ng, s_ng = fused_recurrent_gated_delta_rule(**inputs, output_final_state=True)
-    torch.testing.assert_close(o_ng, o.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(s_ng, s.detach(), atol=1e-6, rtol=1e-6)
+        o_ng, s_ng = torch_gdr.fused_recurrent_gated_delta_rule(**inputs, **options)
+    for got_o, got_s in ((o.detach(), s.detach()), (o_ng, s_ng)):
+        if state_v_first:
+            got_s = got_s.transpose(-1, -2)
+        assert rmse_ratio(expected_o, got_o) < 1e-6
+        assert rmse_ratio(expected_s, got_s) < 1e-6
 
 
 # -- mixed input dtypes ------------------------------------------------------------------

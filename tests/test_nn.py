@@ -121,8 +121,25 @@ def test_cache_feeds_back_across_chunks() -> None:
     with torch.no_grad():
         pieces = [layer(x[:, a:b], cache=cache) for a, b in ((0, 2), (2, 21), (21, 40))]
         assert (torch.cat(pieces, 1) - layer(x)).abs().max().item() < 1e-5
-    cache.reorder(torch.tensor([1]))
-    assert cache.get(layer).recurrent_state.shape[0] == 1 and cache.get(layer).conv_state.shape[0] == 1
+
+
+@pytest.mark.parametrize("layer_idx", [None, 0])
+def test_a_reordered_cache_continues_each_kept_sequence(layer_idx) -> None:
+    """``cache.reorder(index)`` as beam search uses it (drop, permute and duplicate rows): row
+    i of the reordered cache continues sequence ``index[i]``, so decoding from it equals
+    running that sequence's prompt and continuation whole."""
+    layer = make_layer("torch", layer_idx=layer_idx)
+    prompts = inputs(3, 11)
+    index = torch.tensor([2, 0, 0])
+    continuation = inputs(3, 4, seed=7)  # row i continues prompt index[i]
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        layer(prompts, cache=cache)
+        cache.reorder(index)
+        steps = torch.cat([layer(continuation[:, t : t + 1], cache=cache) for t in range(4)], dim=1)
+        whole = layer(torch.cat([prompts[index], continuation], dim=1))
+    assert cache.get(layer.cache_key).recurrent_state.shape[0] == 3
+    assert (steps - whole[:, 11:]).abs().max().item() < 1e-5
 
 
 def _stack_decode(layers: list[GatedDeltaNet], x: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -219,9 +236,9 @@ def test_padded_decode_token_leaves_state_alone() -> None:
     with torch.no_grad():
         cache = GatedDeltaNetCache()
         layer(x[:, :4], cache=cache)
-        before = cache.get(layer)
+        before = cache.get(layer.cache_key)
         layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
-        after = cache.get(layer)
+        after = cache.get(layer.cache_key)
         assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
         assert torch.equal(after.conv_state[0], before.conv_state[0])
         assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])
@@ -276,11 +293,47 @@ def test_bad_inputs_raise() -> None:
     ({"chunk_size": 48}, ValueError, "chunk_size"),
     ({"chunk_size": 64.0}, TypeError, "chunk_size"),
     ({"chunk_size": True}, TypeError, "chunk_size"),
+    ({"recurrent_max_len": "abc"}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": 2.5}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": True}, TypeError, "recurrent_max_len"),
+    ({"recurrent_max_len": -5}, ValueError, "recurrent_max_len"),
 ])
 def test_bad_settings_raise_when_the_layer_is_built(settings: dict, error: type, argument: str) -> None:
     config = {"hidden_size": HIDDEN, "num_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, **settings}
     with pytest.raises(error, match=f"^{argument}: "):
         GatedDeltaNet(**config)
+
+
+def test_recurrent_max_len_zero_is_allowed() -> None:
+    """0 turns the fused-recurrent step off; it is a setting, not an error."""
+    assert make_layer(recurrent_max_len=0).recurrent_max_len == 0
+
+
+@pytest.mark.parametrize("model", ["not a model", None, [torch.nn.Linear(2, 2)]])
+def test_use_torch_gdr_of_something_else_than_a_module_raises(model) -> None:
+    from torch_gdr.integrations.transformers import use_torch_gdr
+
+    with pytest.raises(TypeError, match=r"^model: expected a torch\.nn\.Module .*, got "):
+        use_torch_gdr(model)
+
+
+@pytest.mark.parametrize("layer_dtype, input_dtype", [(torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.int64)])
+def test_an_input_of_another_dtype_than_the_layer_raises(layer_dtype, input_dtype) -> None:
+    layer = make_layer(dtype=layer_dtype)
+    x = inputs(2, 3).to(input_dtype)
+    pattern = f"^hidden_states: expected dtype {layer_dtype} .*got {input_dtype}"
+    with pytest.raises(TypeError, match=pattern):
+        layer(x)
+
+
+def test_an_input_of_another_dtype_runs_under_autocast() -> None:
+    """Under autocast the projections cast for themselves: no dtype check there."""
+    layer = make_layer()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(inputs(2, 3).bfloat16())
+    assert torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("settings, error", [
@@ -394,3 +447,70 @@ def test_compiled_layer_trains_across_lengths_and_packings() -> None:
             results.append((y.detach(), leaf.grad, layer.in_proj_qkvz.weight.grad, layer.A_log.grad))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer_idx", [None, 2])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_cache_continues_the_same_states(layer_idx, how: str) -> None:
+    """Forking a cache (beam search, a shared prefix) by ``copy.deepcopy`` or pickle: the
+    copy's decode continues the prompt's states exactly as the original's does, and it files
+    the step under the same entry (one entry, not a second one from zeros)."""
+    import copy
+    import pickle
+
+    layer = make_layer(layer_idx=layer_idx)
+    x = inputs(2, 10)
+    with torch.no_grad():
+        whole = layer(x)
+        cache = GatedDeltaNetCache()
+        layer(x[:, :9], cache=cache)
+        fork = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+        from_fork = layer(x[:, 9:], cache=fork)
+        from_original = layer(x[:, 9:], cache=cache)
+    assert len(fork) == 1 and fork.get_seq_length() == 10
+    assert (from_fork - whole[:, 9:]).abs().max().item() < 1e-5
+    assert torch.equal(from_fork, from_original)
+
+
+def test_deep_copies_of_a_layer_sharing_a_cache_keep_their_own_states() -> None:
+    """A stack built from deep copies of one layer (built without layer_idx), with weights
+    changed after the copy: decoding the stack through one cache equals running it whole."""
+    import copy
+
+    first = make_layer(seed=0)
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        second.in_proj_qkvz.weight.mul_(-0.5)
+    assert second.cache_key != first.cache_key
+    x = inputs(2, 12)
+    with torch.no_grad():
+        want = second(first(x))
+        got = _stack_decode([first, second], x, prompt_len=7)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("decode_backend", [None, "recurrent"])
+def test_right_padding_mask_then_decode(decode_backend) -> None:
+    """Right-padded prompts (real tokens first, as a batch of prompts is often packed) prefilled
+    into a cache, then decoded: the steps equal those of each unpadded sequence, the conv
+    state included (it must hold each row's last real inputs, not the padding). Rows shorter
+    than the conv's history and a row with no padding are in the batch."""
+    layer = make_layer("torch", decode_backend=decode_backend)
+    lengths = [9, 12, 2, 1]
+    total, extra = 12, 3
+    seqs = [inputs(1, n + extra, seed=40 + i) for i, n in enumerate(lengths)]
+    x = torch.full((len(lengths), total, HIDDEN), 5.0)  # garbage in the padding must not matter
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        x[i, :n] = s[0, :n]
+        mask[i, :n] = 1
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        prompt_out = layer(x, attention_mask=mask, cache=cache)
+        steps = [layer(torch.cat([s[:, n + t : n + t + 1] for s, n in zip(seqs, lengths)]), cache=cache)
+                 for t in range(extra)]
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            whole = layer(s)
+            assert (prompt_out[i, :n] - whole[0, :n]).abs().max().item() < 1e-5
+            got = torch.cat([st[i] for st in steps])
+            assert (got - whole[0, n:]).abs().max().item() < 1e-5, i

@@ -110,9 +110,80 @@ def test_mixed_qk_and_v_dtypes_as_fla_takes_them(qk_dtype: torch.dtype, v_dtype:
         torch.testing.assert_close(grad.float(), grads_ref[n].to(grad.dtype).float(), atol=1e-6, rtol=1e-6, msg=n)
 
 
-def test_the_exported_fused_recurrent_is_the_step_path() -> None:
-    inputs = make_inputs(seqlens=[1, 1, 3], num_qk_heads=1, num_v_heads=2, with_initial_state=True)
-    expected = naive_recurrent_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
-    got = torch_gdr.fused_recurrent_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+@pytest.fixture
+def cpu_step_calls(monkeypatch) -> list:
+    """Counts the calls of the fused C++ step (``torch_gdr.ops.cpu.kernels.recurrent_fwd``)."""
+    from torch_gdr.ops.cpu import kernels
+
+    calls = []
+    real = kernels.recurrent_fwd
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "recurrent_fwd", counting)
+    return calls
+
+
+STEP_CASES = {  # make_inputs keyword arguments: decode batches and short prompts, GVA
+    "decode_batch": dict(batch_size=3, seq_len=1, num_qk_heads=1, num_v_heads=4),
+    "short_prompt": dict(batch_size=2, seq_len=9, num_qk_heads=2, num_v_heads=4),
+    "varlen": dict(seqlens=[1, 3, 1, 10], num_qk_heads=1, num_v_heads=2),
+}
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["key_first", "v_first"])
+@pytest.mark.parametrize("use_l2norm", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_exported_fused_recurrent_without_grad_matches_the_recurrence(cpu_step_calls, dtype, case,
+                                                                         use_l2norm, state_v_first) -> None:
+    """The exported ``fused_recurrent_gated_delta_rule`` as a decode loop calls it: float32 or
+    bfloat16 inputs, no autograd (the fused C++ step on the CPU), a scale of the caller's
+    and a state in either layout; against the float64 recurrence on the same rounded inputs."""
+    inputs = make_inputs(**STEP_CASES[case], with_initial_state=True, initial_state_scale=0.5)
+    if not use_l2norm:
+        inputs["q"], inputs["k"] = inputs["q"] * 0.25, inputs["k"] * 0.25
+    rounded = {n: (t if n == "cu_seqlens" else t.to(torch.float32 if n == "initial_state" else dtype))
+               for n, t in inputs.items()}
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(
+        **{n: (t if n == "cu_seqlens" else t.double()) for n, t in rounded.items()}, scale=0.37,
+        use_qk_l2norm_in_kernel=use_l2norm)
+    if state_v_first:
+        rounded["initial_state"] = rounded["initial_state"].transpose(-1, -2).contiguous()
+    with torch.no_grad():
+        o, s = torch_gdr.fused_recurrent_gated_delta_rule(**rounded, scale=0.37, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=use_l2norm,
+                                                          state_v_first=state_v_first)
+    if state_v_first:
+        s = s.transpose(-1, -2)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert rmse_ratio(expected_o, o) < (1e-6 if dtype == torch.float32 else 5e-3)
+    assert rmse_ratio(expected_s, s) < 1e-6
+    from torch_gdr.ops.cpu import kernels
+
+    if o.device.type == "cpu" and kernels.available():
+        assert cpu_step_calls, "the fused C++ step did not run"
+
+
+def test_the_exported_fused_recurrent_leaves_empty_sequences_without_a_state_at_zero(cpu_step_calls) -> None:
+    """Empty sequences of a varlen call with no initial state: their final state is zeros (the
+    state of no tokens), whatever the memory the result was allocated in held before; the
+    fused C++ step (float32, no autograd) after calls that left nonzero states behind."""
+    with_state = make_inputs(seqlens=[2, 0, 3, 0, 0], num_qk_heads=1, num_v_heads=2, dtype=torch.float32,
+                             with_initial_state=True, initial_state_scale=100.0)
+    without = {n: t for n, t in with_state.items() if n != "initial_state"}
+    expected_o, expected_s = naive_recurrent_gated_delta_rule(
+        **{n: (t if n == "cu_seqlens" else t.double()) for n, t in without.items()})
+    for _ in range(4):
+        with torch.no_grad():
+            torch_gdr.fused_recurrent_gated_delta_rule(**dict(with_state, initial_state=with_state["initial_state"]
+                                                              .float()), output_final_state=True)
+            o, s = torch_gdr.fused_recurrent_gated_delta_rule(**without, output_final_state=True)
+        assert torch.equal(s[[1, 3, 4]], torch.zeros_like(s[[1, 3, 4]]))
+        assert rmse_ratio(expected_s, s) < 1e-6 and rmse_ratio(expected_o, o) < 1e-6
+    from torch_gdr.ops.cpu import kernels
+
+    if kernels.available():
+        assert cpu_step_calls, "the fused C++ step did not run"

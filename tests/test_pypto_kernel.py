@@ -366,3 +366,34 @@ def test_cost_model_cycles_within_budget_and_flat() -> None:
         per_token[lens] = result["cycles_per_token"]
     ratio = per_token[(1024,)] / per_token[(4096,)]
     assert 1 / 1.2 <= ratio <= 1.2, f"cycles per token, T=1024 / T=4096: {ratio:.3f}"
+
+
+def test_calls_that_differ_only_in_scale_l2norm_or_initial_state_each_match_the_reference() -> None:
+    """Kernels are cached per configuration: a call that differs from the previous one only in
+    ``scale``, ``use_qk_l2norm_in_kernel`` or whether it has an initial state must not run the
+    previous call's kernel. Each call of the public op against the float64 recurrence."""
+    from torch_gdr.testing import make_inputs as shared_inputs
+    from torch_gdr.testing import rmse_ratio
+
+    torch_gdr.dispatch.cache_clear()
+    inputs = shared_inputs(seq_len=20, num_qk_heads=1, num_v_heads=1, head_k_dim=64, head_v_dim=64,
+                           dtype=torch.float32, token_major=True, normalize_qk=True, with_initial_state=True)
+    # q and k of norm 0.7: the in-kernel l2norm changes them, so a kernel that ignores the flag shows
+    inputs["q"], inputs["k"] = 0.7 * inputs["q"], 0.7 * inputs["k"]
+    initial_state = inputs["initial_state"].float()
+    calls = [dict(scale=None, use_qk_l2norm_in_kernel=True, initial_state=None),
+             dict(scale=0.3, use_qk_l2norm_in_kernel=True, initial_state=None),
+             dict(scale=None, use_qk_l2norm_in_kernel=False, initial_state=None),
+             dict(scale=None, use_qk_l2norm_in_kernel=True, initial_state=initial_state)]
+    for options in calls:
+        args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+        o, state = torch_gdr.chunk_gated_delta_rule(*args, output_final_state=True, chunk_size=32, backend="pypto",
+                                                    **options)
+        reference = dict(options, initial_state=None if options["initial_state"] is None
+                         else options["initial_state"].double())
+        ref_o, ref_state = naive_recurrent_gated_delta_rule(*(a.double().unsqueeze(0) for a in args),
+                                                            output_final_state=True, **reference)
+        assert rmse_ratio(ref_o[0], o) < 1e-4, options
+        assert rmse_ratio(ref_state, state) < 1e-4, options
+    assert len(torch_gdr.dispatch.cache_info().forward.keys) == len(calls)
+    torch_gdr.dispatch.cache_clear()

@@ -25,6 +25,10 @@ import torch_gdr
 from torch_gdr.dispatch import BACKENDS, CallSpec
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
+#: Backends timed by one call each (the per-token recurrence in Python, PyPTO's interpreter):
+#: their rows are a correctness check first, and repeating them would cost minutes.
+SLOW_BACKENDS = ("recurrent", "pypto")
+
 #: The PyPTO row's workload: small, since the interpreter runs the kernel op by op.
 PYPTO_SEQLENS = [40, 0, 23]
 PYPTO_HEAD_DIM = 64
@@ -89,14 +93,24 @@ def make_workload(name: str, seqlens: list[int], num_qk_heads: int, num_v_heads:
     return Workload(name, seqlens, num_qk_heads, num_v_heads, head_dim, chunk_size, inputs, reference)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    times = []
+def _alternating_medians_ms(fns: list[Callable[[], object]], repeats: int, sync: Callable[[], None],
+                            warmup: bool) -> list[float]:
+    """Median wall time in ms of each of ``fns``, timed in alternating rounds (one call of
+    each per round, after one untimed round when ``warmup``), so that a machine whose speed
+    drifts (other load, frequency) weighs on every function alike: timed back to back, a
+    slow spell during one of them could show forward + backward faster than forward."""
+    if warmup:
+        for fn in fns:
+            fn()
+            sync()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync()
+            spent.append((time.perf_counter() - start) * 1e3)
+    return [sorted(spent)[len(spent) // 2] for spent in times]
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -130,7 +144,9 @@ def check_backend(backend: str, device: torch.device, workload: Workload, repeat
     if not row.ok:
         row.note = f"DISAGREES with the reference (tolerance {tolerance:.0e})"
         return row
-    row.forward_ms = _median_ms(lambda: torch_gdr.chunk_gated_delta_rule(**inputs, **kwargs), repeats, sync)
+
+    def forward() -> None:
+        torch_gdr.chunk_gated_delta_rule(**inputs, **kwargs)
 
     def forward_backward() -> None:
         leaves = {n: (t.detach().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
@@ -138,7 +154,10 @@ def check_backend(backend: str, device: torch.device, workload: Workload, repeat
         (o.sum() + s.sum()).backward()
 
     try:
-        row.forward_backward_ms = _median_ms(forward_backward, repeats, sync)
+        # One untimed round first where calls are cheap: a first backward pays for lazy
+        # imports and first allocations.
+        row.forward_ms, row.forward_backward_ms = _alternating_medians_ms(
+            [forward, forward_backward], repeats, sync, warmup=backend not in SLOW_BACKENDS)
     except Exception as error:  # noqa: BLE001
         row.ok = False
         row.note = f"backward failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:80]}"
@@ -221,13 +240,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--v-heads", type=int, default=4, help="value heads HV (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="K = V (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=64, help="default: %(default)s")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median; pypto: 1)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds of forward and forward + backward, alternated, after one untimed "
+                             "round (medians; recurrent and pypto: one round, no warm-up) (default: %(default)s)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="largest max|error| / max|reference| (of the output and of the final state) that "
                              "counts as agreeing; float32 backends are near 1e-6 (default: %(default)s)")
     parser.add_argument("--backends", nargs="+", help=f"default: all available ({', '.join(BACKENDS)})")
     parser.add_argument("--no-pypto", action="store_true", help="skip the PyPTO interpreter row")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
     unknown = [name for name in args.backends or () if name not in BACKENDS]
     if unknown:
         parser.error(f"--backends: unknown {unknown}; expected some of {list(BACKENDS)}")
@@ -273,7 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "machine)")
         say(f"[{i}/{len(targets)}] {backend} on {device}: forward, then timing forward and forward + backward ...")
         start = time.perf_counter()
-        row = check_backend(backend, device, workload, 1 if backend == "pypto" else args.repeats, args.tolerance)
+        row = check_backend(backend, device, workload, 1 if backend in SLOW_BACKENDS else args.repeats,
+                            args.tolerance)
         verdict = "ok" if row.ok else (row.note or "FAILED")
         say(f"    {verdict}: max|Δo| / max|o| {row.rel_err_o:.1e}, max|Δstate| / max|state| {row.rel_err_state:.1e} "
             f"({time.perf_counter() - start:.1f} s)")

@@ -16,6 +16,7 @@ and one where it ends.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -213,10 +214,14 @@ def build_cp_context(cu_seqlens: torch.Tensor, group: Optional[dist.ProcessGroup
         ``nn.GatedDeltaNet``, with this rank's slice of the tokens. Its ``cu_seqlens`` are the
         local offsets, ``sequence_ids`` the global index of each local sequence.
 
+    Every rank of the group must call it (it runs one small all-gather that checks that all
+    ranks passed the same ``cu_seqlens`` and slice bounds).
+
     Raises:
         ValueError: offsets that are not non-decreasing from 0, slices that do not tile the
             ``T`` tokens of ``cu_seqlens`` (or ``T`` not divisible by the group size), no
-            initialised process group, a group this process is not in.
+            initialised process group, a group this process is not in; on every rank, ranks
+            that passed different offsets or slice bounds, or a rank whose arguments failed.
         TypeError: non-integer ``cu_seqlens``.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -225,4 +230,70 @@ def build_cp_context(cu_seqlens: torch.Tensor, group: Optional[dist.ProcessGroup
     rank = dist.get_rank(group=group)
     if rank < 0:
         raise ValueError("group: this process is not a member of the group")
-    return plan_context(cu_seqlens, world_size, rank, slice_bounds, group=group)
+    # A rank whose arguments fail here still joins the agreement check below, so that the
+    # others learn of it instead of waiting for it in their first collective.
+    try:
+        context: Optional[CPContext] = plan_context(cu_seqlens, world_size, rank, slice_bounds, group=group)
+        local_error: Optional[Exception] = None
+    except (TypeError, ValueError) as error:
+        context, local_error = None, error
+    _check_ranks_agree(context, group, rank, world_size, device=_collective_device(cu_seqlens, group))
+    if local_error is not None:
+        raise local_error
+    assert context is not None
+    return context
+
+
+def _digest(values: Sequence[int]) -> list[int]:
+    """Two int64 words of a hash of ``values`` (equal lists give equal words)."""
+    raw = hashlib.sha256(torch.tensor(list(values), dtype=torch.int64).numpy().tobytes()).digest()
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def _collective_device(cu_seqlens: object, group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a small tensor of the agreement check must live for the group's backend."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        return cu_seqlens.device
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "hccl" in backend:
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def _check_ranks_agree(context: Optional[CPContext], group: Optional[dist.ProcessGroup], rank: int,
+                       world_size: int, device: torch.device) -> None:
+    """One all-gather of each rank's (ok, hash of the global offsets, hash of the slice bounds):
+    ranks that planned from different arguments would each run a consistent-looking plan of
+    their own and return results that do not fit together, so every rank raises instead.
+
+    Raises:
+        ValueError: on every rank, when the ranks' offsets or slice bounds differ; on the ranks
+            whose own arguments were valid, when another rank's were not (that rank raises its
+            own error).
+    """
+    if context is None:
+        words = [0, 0, 0, 0, 0]
+    else:
+        words = [1, *_digest(context.global_cu_seqlens.tolist()), *_digest(context.slice_bounds)]
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()
+    failed = [r for r in range(world_size) if int(table[r, 0]) == 0]
+    if failed:
+        if context is None:
+            return  # this rank raises its own error
+        raise ValueError(f"cu_seqlens: rank(s) {failed} of the group could not build their context from their "
+                         "arguments (they raised the reason); every rank must pass the same valid GLOBAL offsets")
+    for columns, argument in ((slice(1, 3), "cu_seqlens"), (slice(3, 5), "slice_bounds")):
+        differ = [r for r in range(world_size) if not torch.equal(table[r, columns], table[rank, columns])]
+        if differ:
+            what = (f"the global offsets {context.global_cu_seqlens.tolist()}" if argument == "cu_seqlens"
+                    else f"the slice bounds {list(context.slice_bounds)}")
+            raise ValueError(f"{argument}: the ranks of the group disagree: rank {rank} has {what}, and rank(s) "
+                             f"{differ} have others; every rank must build its context from the same cu_seqlens "
+                             "and slice_bounds")

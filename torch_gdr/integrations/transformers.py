@@ -183,8 +183,12 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
     Raises:
         ValueError: the model has no Gated DeltaNet layer of transformers, or ``backend`` or
             ``chunk_size`` is not one the op takes (``TypeError`` for one of the wrong type).
-        TypeError: the layers are of a layout this function does not know.
+        TypeError: ``model`` is not a ``torch.nn.Module``, or the layers are of a layout this
+            function does not know.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers model or layer), got "
+                        f"{type(model).__name__}")
     check_backend("backend", backend)
     check_chunk_size("chunk_size", chunk_size)
     chunk, recurrent = _make_kernels(backend, chunk_size)

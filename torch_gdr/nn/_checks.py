@@ -21,6 +21,15 @@ def check_positive_int(argument: str, value: object) -> int:
     return value
 
 
+def check_non_negative_int(argument: str, value: object) -> int:
+    """``value`` as an int >= 0; ``TypeError`` for a non-int (a bool included), ``ValueError`` below 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument}: expected an int >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{argument}: expected an int >= 0, got {value}")
+    return value
+
+
 def check_backend(argument: str, backend: object) -> Optional[str]:
     """``backend`` if it is None (the op's default) or the name of one of the op's backends."""
     from torch_gdr.dispatch import BACKENDS

@@ -26,8 +26,11 @@ class LayerState:
     num_tokens: int = 0
 
 
-#: What an entry of the cache is filed under: a layer's ``layer_idx``, or the layer itself.
-CacheKey = Union[int, torch.nn.Module]
+#: What an entry of the cache is filed under: a layer's ``layer_idx``, or, for a layer built
+#: without one, the layer's own identifier (a ``str``, see ``GatedDeltaNet.cache_key``).
+#: Not the layer object: a copy of the cache (``copy.deepcopy``, pickle) must still find the
+#: entry of the layer that filled it.
+CacheKey = Union[int, str]
 
 
 class GatedDeltaNetCache:
@@ -40,12 +43,16 @@ class GatedDeltaNetCache:
     so autograd flows through a whole decode.
 
     A layer built with ``layer_idx=i`` (as transformers numbers its layers) files its entry
-    under ``i``; a layer built without one files it under the layer object itself, so two
-    layers never share an entry by accident. An entry under an index belongs to the first
-    layer that filled it: another layer with the same ``layer_idx`` that reads or writes it
-    gets a ``ValueError`` (two layers built with one index), not the other layer's state.
-    The cache holds its layer-keyed layers (not its index-keyed ones) alive until
-    :meth:`reset`.
+    under ``i``; a layer built without one files it under an identifier of its own, drawn
+    when it is built (a deep copy of the layer draws a new one), so two layers never share
+    an entry by accident. An entry belongs to the first layer that filled it: another layer
+    with the same key that reads or writes it gets a ``ValueError`` (two layers built with
+    one index), not the other layer's state. The cache holds no reference to its layers.
+
+    A copy of the cache (``copy.deepcopy`` or pickle: forking beams or a shared prefix)
+    holds the same states under the same keys, so the layers continue from it as from the
+    original. The copy forgets which layer owns which entry: the first layer to use an entry
+    of the copy owns it.
 
     Example::
 
@@ -57,49 +64,69 @@ class GatedDeltaNetCache:
 
     def __init__(self) -> None:
         self.layers: dict[CacheKey, LayerState] = {}
-        self._owners: dict[int, weakref.ref] = {}
+        self._owners: dict[CacheKey, weakref.ref] = {}
+
+    def __getstate__(self) -> dict:
+        # Weak references do not pickle: a copy (deep copy or pickle) forgets its entries' owners.
+        return {"layers": self.layers, "_owners": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    @staticmethod
+    def _key(key: Union[CacheKey, torch.nn.Module]) -> CacheKey:
+        """A layer given as the key stands for its ``cache_key``."""
+        return key.cache_key if isinstance(key, torch.nn.Module) else key
 
     def _check_owner(self, key: CacheKey, owner: Optional[torch.nn.Module]) -> None:
-        if owner is None or not isinstance(key, int) or key not in self._owners:
+        if owner is None or key not in self._owners:
             return
         filled_by = self._owners[key]()
         if filled_by is not owner:
             other = "since deleted" if filled_by is None else f"{type(filled_by).__name__} at {hex(id(filled_by))}"
+            if isinstance(key, int):
+                raise ValueError(
+                    f"layer_idx: entry {key} of this GatedDeltaNetCache was filled by another layer ({other}); "
+                    "give every layer that shares a cache its own layer_idx (or none: then each layer has its "
+                    "own entry)")
             raise ValueError(
-                f"layer_idx: entry {key} of this GatedDeltaNetCache was filled by another layer ({other}); "
-                "give every layer that shares a cache its own layer_idx (or none: then each layer has its own entry)")
+                f"cache: entry {key!r} of this GatedDeltaNetCache was filled by another layer ({other}) with the "
+                "same cache_key (a layer restored from one pickle twice?); give the layers distinct layer_idx")
 
-    def get(self, key: CacheKey, owner: Optional[torch.nn.Module] = None) -> Optional[LayerState]:
-        """The state filed under ``key`` (a ``layer_idx`` or a layer), or None before its
-        first call. With ``owner`` (the layer asking), raise ``ValueError`` if another layer
-        filled that ``layer_idx``."""
+    def get(self, key: Union[CacheKey, torch.nn.Module], owner: Optional[torch.nn.Module] = None) -> Optional[LayerState]:
+        """The state filed under ``key`` (a layer's ``cache_key``, or the layer), or None
+        before its first call. With ``owner`` (the layer asking), raise ``ValueError`` if
+        another layer filled that entry."""
+        key = self._key(key)
         self._check_owner(key, owner)
         return self.layers.get(key)
 
     def update(self, key: CacheKey, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
                num_new_tokens: int, owner: Optional[torch.nn.Module] = None) -> LayerState:
         """Replace the state filed under ``key`` after a call that saw ``num_new_tokens``
-        tokens; ``owner`` (the layer writing) becomes the owner of a new ``layer_idx`` entry."""
+        tokens; ``owner`` (the layer writing) becomes the owner of an entry that has none."""
+        key = self._key(key)
         self._check_owner(key, owner)
         previous = self.layers.get(key)
         seen = (previous.num_tokens if previous is not None else 0) + num_new_tokens
         state = LayerState(conv_state, recurrent_state, seen)
         self.layers[key] = state
-        if owner is not None and isinstance(key, int) and key not in self._owners:
+        if owner is not None and key not in self._owners:
             self._owners[key] = weakref.ref(owner)
         return state
 
     def _keys(self) -> list[CacheKey]:
-        """Index keys in increasing order, then layer keys in the order they were filled."""
+        """Index keys in increasing order, then the keys of layers without an index in the order
+        they were filled."""
         return (sorted(k for k in self.layers if isinstance(k, int))
                 + [k for k in self.layers if not isinstance(k, int)])
 
-    def get_seq_length(self, key: Optional[CacheKey] = None) -> int:
+    def get_seq_length(self, key: Union[CacheKey, torch.nn.Module, None] = None) -> int:
         """Tokens seen per sequence by the layer filed under ``key`` (when None: the lowest
         ``layer_idx``, else the first layer filled); 0 when empty."""
         if not self.layers:
             return 0
-        key = self._keys()[0] if key is None else key
+        key = self._keys()[0] if key is None else self._key(key)
         return self.layers[key].num_tokens if key in self.layers else 0
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -124,7 +151,7 @@ class GatedDeltaNetCache:
         return len(self.layers)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.layers
+        return (self._key(key) if isinstance(key, torch.nn.Module) else key) in self.layers
 
     def __iter__(self) -> Iterator[CacheKey]:
         return iter(self._keys())

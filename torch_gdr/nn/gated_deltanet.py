@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import uuid
 from typing import Any, Optional
 
 import torch
@@ -10,13 +12,42 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.registry import smallest_chunk_size
-from torch_gdr.nn._checks import check_attention_mask, check_backend, check_chunk_size, check_positive_int
+from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chunk_size, check_non_negative_int,
+                                  check_positive_int)
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.short_conv import ShortConvolution
 
 # Like fla's layer: out of training, calls of at most this many tokens run token by token.
 RECURRENT_MAX_LEN = 64
+
+
+def _last_real_inputs(conv_initial: Optional[torch.Tensor], conv_input: torch.Tensor, mask: torch.Tensor,
+                      history: int) -> torch.Tensor:
+    """The conv state after a padded call: per row, the inputs at its last ``history`` real
+    tokens, preceded by the row's previous state when it has fewer real tokens than that.
+    With left padding (or none) these are the last ``history`` inputs, as the conv returns;
+    with right padding or a padded decode token, the padding is skipped.
+
+    Args:
+        conv_initial: ``[B, C, history]``, the state the call started from, or None (zeros).
+        conv_input: ``[B, T, C]``, the conv's inputs.
+        mask: ``[B, T]``, nonzero at real tokens.
+        history: ``K - 1`` of the conv.
+
+    Returns:
+        ``[B, C, history]`` in the dtype of ``conv_input``, oldest first.
+    """
+    batch, num_tokens, channels = conv_input.shape
+    prefix = (conv_input.new_zeros(batch, history, channels) if conv_initial is None
+              else conv_initial.to(conv_input.dtype).transpose(1, 2))
+    full = torch.cat([prefix, conv_input], dim=1)  # [B, history + T, C]
+    positions = torch.arange(history + num_tokens, device=conv_input.device)
+    real = torch.cat([mask.new_ones(batch, history), mask], dim=1) != 0
+    # The history largest positions of real tokens (the prefix counts as real, so there are enough).
+    ranked = torch.where(real, positions, -1).topk(history, dim=1).values.flip(1)  # [B, history]
+    picked = full.gather(1, ranked[..., None].expand(batch, history, channels))
+    return picked.transpose(1, 2).contiguous()
 
 
 class GatedDeltaNet(nn.Module):
@@ -63,9 +94,9 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: K of the short conv.
         norm_eps: eps of the gated RMSNorm.
         layer_idx: this layer's entry in a :class:`GatedDeltaNetCache` (transformers' numbering);
-            None (the default): the entry is filed under the layer object itself, so layers
-            built without an index never share one. Two layers built with the same index
-            that use one cache raise ``ValueError``.
+            None (the default): the entry is filed under an identifier of the layer's own
+            (:attr:`cache_key`), so layers built without an index never share one. Two
+            layers built with the same index that use one cache raise ``ValueError``.
         chunk_size: chunk size of the op for multi-token calls.
         backend: the op's backend (``"torch"``, ``"recurrent"``, ...; None: the op's default).
         decode_backend: backend of single-token decode steps (``backend`` when None).
@@ -95,6 +126,7 @@ class GatedDeltaNet(nn.Module):
         check_chunk_size("chunk_size", chunk_size)
         check_backend("backend", backend)
         check_backend("decode_backend", decode_backend)
+        check_non_negative_int("recurrent_max_len", recurrent_max_len)
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_k_heads = num_heads
@@ -106,6 +138,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
         self.layer_idx = layer_idx
+        self._cache_uid = self._new_cache_uid()
         self.chunk_size = chunk_size
         self.backend = backend
         self.decode_backend = decode_backend
@@ -135,11 +168,27 @@ class GatedDeltaNet(nn.Module):
             **kwargs,
         )
 
+    @staticmethod
+    def _new_cache_uid() -> str:
+        return f"GatedDeltaNet-{uuid.uuid4().hex}"
+
     @property
     def cache_key(self) -> CacheKey:
         """What this layer's entry in a :class:`GatedDeltaNetCache` is filed under: ``layer_idx``,
-        or the layer itself when it has none."""
-        return self if self.layer_idx is None else self.layer_idx
+        or, when it has none, an identifier drawn when the layer was built (a ``str``). Not the
+        layer object, so that a deep copy or a pickle of the cache still finds the entry."""
+        return self._cache_uid if self.layer_idx is None else self.layer_idx
+
+    def __deepcopy__(self, memo: dict) -> "GatedDeltaNet":
+        """A deep copy of the layer is another layer (``nn.ModuleList`` of copies, as stacks are
+        often built): it draws its own cache identifier, so the copies sharing a cache keep
+        their own entries. (Pickling keeps the identifier: a saved model and its saved cache
+        still match.)"""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__dict__, memo))
+        clone.__dict__["_cache_uid"] = self._new_cache_uid()
+        return clone
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, hidden]`` -> conv input ``[B, T, conv_dim]`` (q | k | v), z ``[B, T, HV, dv]``,
@@ -164,10 +213,13 @@ class GatedDeltaNet(nn.Module):
                 ``cu_seqlens``; float32, float16, bfloat16 or float64 (the parameters' dtype).
             attention_mask: ``[B, T]`` padding mask, 1 (or True) for real tokens and 0 for
                 padding, or None. Padded tokens are zeroed before the projections and leave
-                the recurrent state untouched (no decay, no write), so with left padding (as
-                in generation) every real token's output and the cached state equal those of
-                the unpadded sequence. Outputs at padded positions are not meaningful. Any
-                other value raises (checked in eager mode unless the mask is bool).
+                the recurrent state untouched (no decay, no write), and the cached conv state
+                holds each row's last real inputs, so with left padding (as in generation) or
+                right padding every real token's output and the cached states equal those of
+                the unpadded sequence. (Padding between real tokens leaves the state right
+                but feeds zeros to the conv of the tokens after it.) Outputs at padded
+                positions are not meaningful. Any other value raises (checked in eager
+                mode unless the mask is bool).
             cu_seqlens: ``[N + 1]`` int offsets of sequences packed along T (B must be 1):
                 neither the conv nor the recurrence crosses a boundary.
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
@@ -184,12 +236,17 @@ class GatedDeltaNet(nn.Module):
             ``[B, T, hidden]``, dtype of hidden_states.
 
         Raises:
+            TypeError: hidden_states of another dtype than the parameters (outside autocast).
             ValueError: a shape that does not fit (B = 0 or T = 0 included), a mask value
                 other than 0 and 1, a cache entry that holds another number of sequences or
                 was filled by another layer with the same ``layer_idx``.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {list(hidden_states.shape)}")
+        expected_dtype = self.in_proj_qkvz.weight.dtype
+        if hidden_states.dtype != expected_dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states: expected dtype {expected_dtype} (the layer's parameters'), got "
+                            f"{hidden_states.dtype}; cast the input, or the layer with layer.to(dtype)")
         batch, seq_len = hidden_states.shape[:2]
         if batch == 0 or seq_len == 0:
             raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}] with B >= 1 and T >= 1, "
@@ -220,8 +277,13 @@ class GatedDeltaNet(nn.Module):
             from torch_gdr.distributed.layer import context_parallel_layer_inputs
             conv_initial, cu_seqlens, op = context_parallel_layer_inputs(cp_context, mixed, self.conv_kernel_size,
                                                                          cu_seqlens, cache)
+        conv_input = mixed
         mixed, conv_state = self.conv1d(mixed, initial_state=conv_initial,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if conv_state is not None and mask is not None and cu_seqlens is None:
+            # Padding anywhere (right padding, a padded decode token) must not enter the conv
+            # window that the next call continues from.
+            conv_state = _last_real_inputs(conv_initial, conv_input, mask, self.conv_kernel_size - 1)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
@@ -255,10 +317,6 @@ class GatedDeltaNet(nn.Module):
 
         if cache is not None:
             assert conv_state is not None and recurrent_state is not None
-            if mask is not None and seq_len == 1 and previous is not None:
-                # A padded decode token must not shift the conv window either.
-                keep = mask[:, 0, None, None] > 0
-                conv_state = torch.where(keep, conv_state, previous.conv_state)
             cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self)
 
         o = self.norm(o, z)

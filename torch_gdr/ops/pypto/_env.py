@@ -9,6 +9,9 @@ a variable the user set is honoured and never changed. Per-call outputs (compile
 verify dumps) are further confined to temporary directories by :func:`scratch_dir`, the
 compile folders only while ``TILE_FWK_OUTPUT_DIR`` is not the user's.
 
+PyPTO's import also configures logging for the whole process (the root logger at DEBUG,
+with a stderr handler); :func:`import_pypto` puts the logging configuration back as it was.
+
 The CPU interpreter patches private internals of PyPTO 0.2.0; :func:`import_pypto` checks
 the version and that those internals still exist, and fails loudly otherwise.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import logging
 import os
 import shutil
 import tempfile
@@ -136,6 +140,27 @@ def _check_internals(pypto: ModuleType) -> None:
         )
 
 
+@contextlib.contextmanager
+def _logging_left_alone() -> Iterator[None]:
+    """Undo, at the end of the block, what PyPTO's import does to the process's logging:
+    ``pypto._controller`` calls ``logging.basicConfig(level=logging.DEBUG)``, which, in a
+    program that configured no logging, sets the root logger to DEBUG with a stderr handler,
+    and every library's debug records (filelock's, ...) reach the terminal. The root logger's
+    level and handlers, and the process-wide ``logging.disable`` level, are restored."""
+    root = logging.getLogger()
+    level, handlers, disabled = root.level, list(root.handlers), logging.root.manager.disable
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+        logging.disable(disabled)
+
+
 def import_pypto() -> ModuleType:
     """Return the ``pypto`` module, importing it on first use with side effects redirected.
 
@@ -151,11 +176,12 @@ def import_pypto() -> ModuleType:
     if _pypto is not None:
         return _pypto
     _redirect_side_effects()
-    try:
-        pypto = importlib.import_module("pypto")
-    except ImportError as exc:  # not installed, or a broken install
-        raise PyptoUnavailableError(f"pypto is not importable ({exc}). " + _INSTALL_HINT) from exc
-    _check_internals(pypto)
+    with _logging_left_alone():
+        try:
+            pypto = importlib.import_module("pypto")
+        except ImportError as exc:  # not installed, or a broken install
+            raise PyptoUnavailableError(f"pypto is not importable ({exc}). " + _INSTALL_HINT) from exc
+        _check_internals(pypto)
     _pypto = pypto
     return pypto
 

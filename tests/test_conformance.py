@@ -4,7 +4,7 @@ float64 per-token recurrence on the same (rounded) inputs.
 Entry points: the chunked call (outputs, final state, every gradient where the backend has a
 backward), the token-by-token step, and the public op. Cases vary what a backend may get
 wrong: scale, GVA, K != V, varlen with an empty sequence, no initial state, token-major
-tensors, value-first states, bfloat16. The PyPTO interpreter runs a slow subset (K = V = 64).
+tensors, value-first states, bfloat16, head sizes from 60 to 256 with K != V. The PyPTO interpreter runs a slow subset (K = V = 64).
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ CASES: dict[str, tuple[dict, dict]] = {
                       dict(use_qk_l2norm_in_kernel=True)),
     "token_major_v_first": (dict(seqlens=[21, 12], token_major=True, with_initial_state=True),
                             dict(state_v_first=True)),
+    # head sizes users run (fla's range is K, V <= 256, K != V; 60 and 100 are fla's test sizes)
+    "k256_v256": (dict(seqlens=[9, 14], num_qk_heads=1, num_v_heads=1, head_k_dim=256, head_v_dim=256,
+                       with_initial_state=True), dict(use_qk_l2norm_in_kernel=True)),
+    "k64_v128": (dict(batch_size=2, seq_len=19, num_qk_heads=1, head_k_dim=64, head_v_dim=128),
+                 dict(use_qk_l2norm_in_kernel=True)),
+    "k128_v64": (dict(seq_len=21, num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=64,
+                      with_initial_state=True), dict(use_qk_l2norm_in_kernel=True)),
+    "k60_v100": (dict(seqlens=[17, 0, 12], num_qk_heads=1, head_k_dim=60, head_v_dim=100, with_initial_state=True),
+                 dict(use_qk_l2norm_in_kernel=True, scale=0.2)),
+    # K = 1 without the l2norm: its gradient there is zero up to the epsilon, no measure of anything
+    "k1_v3": (dict(seq_len=13, num_qk_heads=1, head_k_dim=1, head_v_dim=3, normalize_qk=True), dict()),
 }
 PYPTO_CASE = (dict(seqlens=[40, 0, 9], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
                    with_initial_state=True), dict(use_qk_l2norm_in_kernel=True, scale=0.2, state_v_first=True))

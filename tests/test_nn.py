@@ -514,3 +514,41 @@ def test_right_padding_mask_then_decode(decode_backend) -> None:
             assert (prompt_out[i, :n] - whole[0, :n]).abs().max().item() < 1e-5
             got = torch.cat([st[i] for st in steps])
             assert (got - whole[0, n:]).abs().max().item() < 1e-5, i
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["chunked", "token_by_token"])
+def test_layer_passes_raw_gates_and_masks_padding_as_activated_gates_times_mask(training: bool) -> None:
+    """The layer hands its raw gate, A_log, dt_bias and raw beta to the op; with a padding
+    mask that gives the outputs and parameter gradients of the activated gates multiplied by
+    the mask, written out here."""
+    import torch.nn.functional as F
+
+    import torch_gdr
+
+    layer = make_layer(dtype=torch.float64).train(training)
+    x = inputs(2, 7, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.float64)  # holes meet a carried state
+
+    def by_hand() -> torch.Tensor:
+        hidden = x * mask[..., None]
+        mixed, z, b, a = layer._project(hidden)
+        mixed, _ = layer.conv1d(mixed)
+        q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        q, k = (t.unflatten(-1, (layer.num_k_heads, layer.head_k_dim)) for t in (q, k))
+        v = v.unflatten(-1, (layer.num_v_heads, layer.head_v_dim))
+        g = -layer.A_log.exp() * F.softplus(a + layer.dt_bias) * mask[..., None]
+        beta = b.sigmoid() * mask[..., None]
+        o, _ = torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend="recurrent")
+        return layer.out_proj(layer.norm(o, z).flatten(-2))
+
+    weights = torch.randn(2, 7, layer.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for forward in (lambda: layer(x, attention_mask=mask), by_hand):
+        layer.zero_grad()
+        out = forward()
+        (out * weights).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    (out, grads), (want, want_grads) = results
+    assert torch.allclose(out, want, rtol=1e-9, atol=1e-10)
+    for name in ("A_log", "dt_bias", "in_proj_ba.weight", "in_proj_qkvz.weight"):
+        assert torch.allclose(grads[name], want_grads[name], rtol=1e-8, atol=1e-10), name

@@ -8,6 +8,7 @@ and run only where real tensors are at hand (the op's implementations).
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -171,3 +172,85 @@ def read_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[int, ...
             f"cu_seqlens: expected the last offset to equal the number of tokens T = {num_tokens}, got {offsets[-1]}"
         )
     return tuple(offsets)
+
+
+#: Set to 1 to have a call read metadata that lives on an accelerator (``cu_seqlens``,
+#: ``chunk_indices``) to check it against its host copy: a host sync per call, which
+#: ``cu_seqlens_cpu`` exists to avoid, so it is off by default. Metadata on the CPU is
+#: always checked (reading it costs no sync).
+VALIDATE_ENV_VAR = "TORCH_GDR_VALIDATE"
+
+
+def _readable(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the values of ``tensors`` may be read for a check: not while ``torch.compile``
+    traces, and on an accelerator only with :data:`VALIDATE_ENV_VAR` set."""
+    if torch.compiler.is_compiling():
+        return False
+    if all(t is None or t.device.type == "cpu" for t in tensors):
+        return True
+    return os.environ.get(VALIDATE_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _expect_index(name: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected an integer torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {tensor.dtype}")
+    return tensor
+
+
+def expected_chunk_indices(offsets: Sequence[int], chunk_size: int) -> list[list[int]]:
+    """fla's ``chunk_indices`` of packed sequences: one ``[sequence, chunk within it]`` row per
+    chunk of ``chunk_size`` tokens, sequences in order (empty sequences have none)."""
+    rows = []
+    for seq, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        rows.extend([seq, chunk] for chunk in range(-(-(end - start) // chunk_size)))
+    return rows
+
+
+def resolve_varlen_metadata(cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor],
+                            chunk_indices: Optional[torch.Tensor], chunk_size: int,
+                            device: torch.device) -> Optional[torch.Tensor]:
+    """Check fla's precomputed varlen metadata and return the offsets tensor the call reads.
+
+    ``cu_seqlens_cpu [N + 1]`` (CPU, int32/int64): the host copy of ``cu_seqlens``; the call
+    reads it instead of ``cu_seqlens`` (no host sync) and so it is returned. ``chunk_indices
+    [num_chunks, 2]`` (int32/int64, on the CPU or ``device``): fla's per-chunk ``[sequence,
+    chunk]`` rows for ``chunk_size``; accepted for compatibility and otherwise unused (the
+    backends chunk by themselves). Both need ``cu_seqlens``; their values are compared with it
+    where :func:`_readable` allows. ``cu_seqlens`` itself is checked by :func:`check_inputs`.
+    """
+    if cu_seqlens is None:
+        for name, tensor in (("cu_seqlens_cpu", cu_seqlens_cpu), ("chunk_indices", chunk_indices)):
+            if tensor is not None:
+                raise ValueError(f"{name}: describes packed sequences and needs cu_seqlens, got cu_seqlens=None")
+        return None
+    reads = cu_seqlens
+    if cu_seqlens_cpu is not None:
+        _expect_index("cu_seqlens_cpu", cu_seqlens_cpu)
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu: expected a CPU tensor (the host copy of cu_seqlens), got one on "
+                             f"{cu_seqlens_cpu.device}")
+        if list(cu_seqlens_cpu.shape) != list(cu_seqlens.shape):
+            raise ValueError(f"cu_seqlens_cpu: expected the shape of cu_seqlens {_shape(cu_seqlens)}, got "
+                             f"{_shape(cu_seqlens_cpu)}")
+        if _readable(cu_seqlens) and not torch.equal(cu_seqlens.detach().cpu().long(), cu_seqlens_cpu.long()):
+            raise ValueError(f"cu_seqlens_cpu: expected the values of cu_seqlens {cu_seqlens.tolist()}, got "
+                             f"{cu_seqlens_cpu.tolist()}")
+        reads = cu_seqlens_cpu
+    if chunk_indices is not None:
+        _expect_index("chunk_indices", chunk_indices)
+        if chunk_indices.device.type != "cpu" and chunk_indices.device != device:
+            raise ValueError(f"chunk_indices: expected a tensor on the CPU or on {device} (the device of q), got "
+                             f"{chunk_indices.device}")
+        if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+            raise ValueError(f"chunk_indices: expected shape [num_chunks, 2] (fla's [sequence, chunk] rows), got "
+                             f"{_shape(chunk_indices)}")
+        if _readable(reads, chunk_indices):
+            offsets = reads.detach().to("cpu", torch.int64).tolist()
+            expected = expected_chunk_indices(offsets, chunk_size)
+            if chunk_indices.detach().cpu().tolist() != expected:
+                raise ValueError(f"chunk_indices: expected fla's [sequence, chunk] rows of cu_seqlens {offsets} at "
+                                 f"chunk_size={chunk_size} ({len(expected)} rows), got {_shape(chunk_indices)} "
+                                 f"rows that differ")
+    return reads

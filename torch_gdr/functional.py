@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_gdr._gating import apply_gating, check_gating
 from torch_gdr._layout import canonical_call
 from torch_gdr._pool import pool_chunk_prefill
-from torch_gdr._validate import CHUNK_SIZES, check_chunk_size, check_inputs
+from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.registry import select
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_step
@@ -17,6 +19,22 @@ from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
 if TYPE_CHECKING:
     from torch_gdr.distributed import CPContext
+
+
+def _state_v_first(state_v_first: bool, transpose_state_layout: Optional[bool]) -> bool:
+    """``state_v_first``, or fla's deprecated ``transpose_state_layout`` for it (with fla's
+    warning and its refusal of both at once)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if not isinstance(transpose_state_layout, bool):
+        raise TypeError(f"transpose_state_layout: expected a bool, got {type(transpose_state_layout).__name__} "
+                        f"{transpose_state_layout!r}")
+    if state_v_first:
+        raise ValueError("transpose_state_layout: the deprecated name of state_v_first; pass only one of them, got "
+                         "both (state_v_first=True)")
+    warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first", DeprecationWarning,
+                  stacklevel=3)
+    return transpose_state_layout
 
 
 def chunk_gated_delta_rule(
@@ -30,9 +48,17 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     *,
     use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_indices: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
     state_v_first: bool = False,
+    transpose_state_layout: Optional[bool] = None,
     backend: Optional[str] = None,
     checkpoint_every: Optional[int] = None,
     cp_context: Optional["CPContext"] = None,
@@ -56,21 +82,43 @@ def chunk_gated_delta_rule(
         v: values ``[B, T, HV, V]`` (``[T, HV, V]``), dtype of q; ``HV % H == 0`` and value
             head h reads q/k head ``h // (HV // H)``.
         g: raw per-token log decay ``[B, T, HV]`` (``[T, HV]``), any float dtype, ``<= 0``
-            (``-inf`` resets the state); the op does the within-chunk cumsum itself.
-        beta: write strengths ``[B, T, HV]`` (``[T, HV]``), any float dtype.
+            (``-inf`` resets the state); the op does the within-chunk cumsum itself. With
+            ``use_gate_in_kernel`` the raw gate ``a`` instead.
+        beta: write strengths ``[B, T, HV]`` (``[T, HV]``), any float dtype. With
+            ``use_beta_sigmoid_in_kernel`` the beta logits instead.
         scale: multiplies q (after the l2norm); ``K ** -0.5`` when None.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any
             float dtype, used in float32; zeros when None. N is B, or the number of
             sequences with ``cu_seqlens``.
         output_final_state: return the final state.
         use_qk_l2norm_in_kernel: replace q and k by ``x / sqrt(sum(x**2) + 1e-6)``.
+        use_gate_in_kernel: ``g`` is the raw gate ``a`` and the decay is
+            ``-exp(A_log) * softplus(a + dt_bias)``, computed in float32 (softplus threshold
+            20) with gradients for ``a``, ``A_log`` and ``dt_bias`` (fla's name and meaning;
+            see :mod:`torch_gdr._gating`).
+        A_log: ``[HV]`` float, the log decay rates; required with ``use_gate_in_kernel``, and
+            refused without it.
+        dt_bias: ``[HV]`` float added to ``a`` before the softplus, or None; only with
+            ``use_gate_in_kernel``.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits and the op uses ``sigmoid(beta)``
+            (in float32), with its gradient.
+        allow_neg_eigval: beta is scaled by 2 after the sigmoid (range ``[0, 2]``, negative
+            eigenvalues of the transition); requires ``use_beta_sigmoid_in_kernel`` (fla's rule).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets ``0 = c_0 <= ... <= c_N = T`` of
             sequences packed along T (B must be 1); on the CPU or the inputs' device.
             Sequences never mix; empty ones are allowed.
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (CPU, same values): the call reads it
+            instead of ``cu_seqlens``, which saves a host sync on accelerators. Checked equal to
+            ``cu_seqlens`` where that reads no device memory, or with ``TORCH_GDR_VALIDATE=1``.
+        chunk_indices: fla's precomputed ``[num_chunks, 2]`` rows ``[sequence, chunk]`` of
+            ``cu_seqlens`` at ``chunk_size``; accepted and checked like ``cu_seqlens_cpu``,
+            otherwise unused (the backends chunk by themselves).
         chunk_size: tokens per chunk, one of 16, 32, 64, 128; every size gives the same
             result up to rounding.
         state_v_first: states are value-first ``[N, HV, V, K]`` (the layout of vLLM, the
             CANN op and PyPTO) instead of key-first.
+        transpose_state_layout: fla's deprecated name of ``state_v_first``: taken for it with
+            a ``DeprecationWarning``; passing it with ``state_v_first=True`` raises.
         backend: ``"cpu"`` (the fused C++ kernels, CPU tensors), ``"torch"`` (the chunked
             algorithm in pure torch, any device), ``"recurrent"`` (the per-token recurrence),
             ``"pypto"`` (the PyPTO kernel: on NPUs, or on the CPU through PyPTO's
@@ -112,14 +160,27 @@ def chunk_gated_delta_rule(
         ``checkpoint_offsets[n]:checkpoint_offsets[n + 1]``.
 
     Raises:
-        ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend.
+        ValueError: wrong shapes, ranks, devices, ``cu_seqlens`` values, chunk size or backend;
+            activation arguments that conflict (``A_log`` without ``use_gate_in_kernel`` or
+            the reverse, ``allow_neg_eigval`` without ``use_beta_sigmoid_in_kernel``),
+            ``cu_seqlens_cpu``/``chunk_indices`` that do not match ``cu_seqlens``.
         TypeError: non-floating inputs, non-integer ``cu_seqlens`` or chunk size, a scale
-            that is not a real number.
+            that is not a real number, a flag that is not a bool.
         torch_gdr.dispatch.BackendError: the backend named (``backend`` or
             ``TORCH_GDR_BACKEND``) cannot serve the call (its subclass says which backend:
             ``PyptoBackendError`` for pypto absent, an unsupported head dim, dtype or chunk
             size...), or strict mode is on and a default had to fall back.
     """
+    state_v_first = _state_v_first(state_v_first, transpose_state_layout)
+    pooled = any(x is not None for x in (initial_state_indices, final_state_indices, checkpoint_offsets,
+                                         checkpoint_indices))
+    # over a pool, initial_state is the pool: its checks are the pool's (torch_gdr._pool)
+    check_inputs(q, k, v, g, beta, scale, None if pooled else initial_state, cu_seqlens, chunk_size, state_v_first)
+    check_gating(v.shape[-2], q.device, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q.device)
+    g, beta = apply_gating(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     if cp_context is not None:
         if checkpoint_every is not None:
             raise ValueError(f"checkpoint_every: not available with cp_context (each rank holds a slice of the "
@@ -130,15 +191,13 @@ def chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             state_v_first=state_v_first, backend=backend, cp_context=cp_context)
-    if any(x is not None for x in (initial_state_indices, final_state_indices, checkpoint_offsets,
-                                    checkpoint_indices)):
+    if pooled:
         if checkpoint_every is not None:
             raise ValueError(f"checkpoint_every: not available with a state pool (pass checkpoint_offsets and "
                              f"checkpoint_indices instead), got checkpoint_every={checkpoint_every!r}")
         if initial_state_indices is None:
             raise ValueError("initial_state_indices: required with final_state_indices or checkpoints over a "
                              "state pool (the rows each sequence starts from), got None")
-        check_chunk_size(chunk_size)
         return _pool_prefill(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                              chunk_size, state_v_first, backend, initial_state_indices, final_state_indices,
                              checkpoint_offsets, checkpoint_indices, validate)
@@ -146,7 +205,6 @@ def chunk_gated_delta_rule(
     if checkpoint_every is not None and grad:
         raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
                          "requires grad)")
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, state_v_first)
     scale = None if scale is None else float(scale)
     args = OpArgs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                   chunk_size, state_v_first)
@@ -194,8 +252,17 @@ def fused_recurrent_gated_delta_rule(
     output_final_state: bool = False,
     *,
     use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     state_v_first: bool = False,
+    transpose_state_layout: Optional[bool] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
     ssm_state_indices: Optional[torch.Tensor] = None,
     num_accepted_tokens: Optional[torch.Tensor] = None,
@@ -209,7 +276,9 @@ def fused_recurrent_gated_delta_rule(
 
     Arguments and results as :func:`chunk_gated_delta_rule`'s (g None: no decay; beta None:
     ones; q/k and v may differ in dtype, computed in float32, float64 when q or v is
-    float64). ``backend`` picks the step: ``"cpu"`` (the fused C++ step, CPU tensors of one
+    float64; ``use_gate_in_kernel`` needs g, ``use_beta_sigmoid_in_kernel`` needs beta).
+    ``gk``/``gv``, fla's per-key and per-value decays, belong to another recurrence (gated
+    DeltaProduct/KDA-style gating) and are refused unless None. ``backend`` picks the step: ``"cpu"`` (the fused C++ step, CPU tensors of one
     dtype, inference), ``"torch"`` (plain differentiable torch, any device), ``"recurrent"``
     (the definition), ``"fla"`` (fla's kernel on CUDA, inference) or ``"pypto"`` (one
     chunked PyPTO launch); None takes ``TORCH_GDR_BACKEND`` or the device's order (``"cpu"``
@@ -229,25 +298,45 @@ def fused_recurrent_gated_delta_rule(
 
     Raises:
         TypeError: non-tensor or non-floating inputs, q and k of different dtypes,
-            non-integer ``cu_seqlens``.
-        ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values, an unknown backend.
+            non-integer ``cu_seqlens``, a flag that is not a bool.
+        ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values, an unknown backend,
+            conflicting activation arguments (as :func:`chunk_gated_delta_rule`), ``gk`` or
+            ``gv`` given.
         torch_gdr.dispatch.BackendError: the backend named cannot serve the call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, decay in (("gk", gk), ("gv", gv)):
+        if decay is not None:
+            raise ValueError(f"{name}: per-channel decays are another recurrence than the gated delta rule (one "
+                             f"scalar decay g per token and head); expected None, got a tensor of shape "
+                             f"{list(decay.shape) if isinstance(decay, torch.Tensor) else type(decay).__name__}")
+    if use_gate_in_kernel is True and g is None:
+        raise ValueError("g: the raw gate is required with use_gate_in_kernel=True, got None")
+    if use_beta_sigmoid_in_kernel is True and beta is None:
+        raise ValueError("beta: the beta logits are required with use_beta_sigmoid_in_kernel=True, got None")
+    state_v_first = _state_v_first(state_v_first, transpose_state_layout)
     lead = tuple(v.shape[:-1])  # [B, T, HV] or [T, HV]
     if g is None:
         g = torch.zeros(lead, dtype=torch.float32, device=v.device)
     if beta is None:
         beta = torch.ones(lead, dtype=torch.float32, device=v.device)
-    if ssm_state_indices is not None:
+    if num_accepted_tokens is not None and ssm_state_indices is None:
+        raise ValueError("num_accepted_tokens: only with ssm_state_indices (a state pool), got a tensor without them")
+    pooled = ssm_state_indices is not None
+    # over a pool, initial_state is the pool: its checks are the pool's (torch_gdr._pool)
+    check_inputs(q, k, v, g, beta, scale, None if pooled else initial_state, cu_seqlens, CHUNK_SIZES[0],
+                 state_v_first)
+    check_gating(v.shape[-2], q.device, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, None, CHUNK_SIZES[0], q.device)
+    g, beta = apply_gating(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace_final_state,
                           validate)
-    if num_accepted_tokens is not None:
-        raise ValueError("num_accepted_tokens: only with ssm_state_indices (a state pool), got a tensor without them")
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, CHUNK_SIZES[0], state_v_first)
     grad = _needs_grad(q, k, v, g, beta, initial_state)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           CHUNK_SIZES[0], state_v_first)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from torch_gdr.distributed.chunk import check_context, context_parallel_chunk_gated_delta_rule
+from torch_gdr.distributed.chunk import check_context
+from torch_gdr.distributed.context import CPContext
 from torch_gdr.distributed.conv import conv_halo_state
 
 
 def context_parallel_layer_inputs(cp_context: Any, conv_input: torch.Tensor, kernel_size: int,
                                   cu_seqlens: Optional[torch.Tensor], cache: Any
-                                  ) -> tuple[Optional[torch.Tensor], torch.Tensor, Callable[..., Any]]:
-    """The conv's initial state (the halo from earlier ranks), the local ``cu_seqlens`` and the op
-    to call, for a layer given ``cp_context``.
+                                  ) -> tuple[Optional[torch.Tensor], torch.Tensor, CPContext]:
+    """The conv's initial state (the halo from earlier ranks), the local ``cu_seqlens`` and the
+    checked context to pass to the public call, for a layer given ``cp_context``.
 
     Args:
         cp_context: a :class:`~torch_gdr.distributed.CPContext` for this group.
@@ -40,4 +40,4 @@ def context_parallel_layer_inputs(cp_context: Any, conv_input: torch.Tensor, ker
         raise ValueError(f"hidden_states: with cp_context, expected this rank's slice [1, {ctx.num_tokens}, hidden], "
                          f"got batch {conv_input.shape[0]} and {conv_input.shape[1]} tokens")
     halo = conv_halo_state(conv_input, kernel_size, ctx)
-    return halo, ctx.cu_seqlens, functools.partial(context_parallel_chunk_gated_delta_rule, cp_context=ctx)
+    return halo, ctx.cu_seqlens, ctx

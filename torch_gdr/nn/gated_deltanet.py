@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 import uuid
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torch_gdr import functional as _functional
@@ -58,8 +58,10 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v, z = in_proj_qkvz(x)       b, a = in_proj_ba(x)
         q, k, v    = silu(causal_depthwise_conv1d([q, k, v]))
-        g          = -exp(A_log) * softplus(a + dt_bias)        beta = sigmoid(b)
-        o          = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o          = chunk_gated_delta_rule(q, k, v, a, b, use_qk_l2norm_in_kernel=True,
+                                            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                            use_beta_sigmoid_in_kernel=True)
+        (the op computes g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b))
         y          = out_proj(GatedRMSNorm(o, gate=z))
 
     **Weights of transformers' ``Qwen3NextGatedDeltaNet`` load by name**
@@ -275,8 +277,10 @@ class GatedDeltaNet(nn.Module):
         conv_initial, op = (None if previous is None else previous.conv_state), _functional.chunk_gated_delta_rule
         if cp_context is not None:
             from torch_gdr.distributed.layer import context_parallel_layer_inputs
-            conv_initial, cu_seqlens, op = context_parallel_layer_inputs(cp_context, mixed, self.conv_kernel_size,
-                                                                         cu_seqlens, cache)
+            conv_initial, cu_seqlens, cp_context = context_parallel_layer_inputs(cp_context, mixed,
+                                                                                 self.conv_kernel_size, cu_seqlens,
+                                                                                 cache)
+            op = functools.partial(_functional.chunk_gated_delta_rule, cp_context=cp_context)
         conv_input = mixed
         mixed, conv_state = self.conv1d(mixed, initial_state=conv_initial,
                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
@@ -289,24 +293,27 @@ class GatedDeltaNet(nn.Module):
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
 
-        beta = b.sigmoid()
-        # The decay in float32 at least: a half-precision exp(A_log) may overflow.
-        g_dtype = torch.promote_types(a.dtype, torch.float32)
-        g = -self.A_log.to(g_dtype).exp() * F.softplus(a.to(g_dtype) + self.dt_bias.to(g_dtype))
+        # The op applies the activations (fla's in-kernel gating, in float32 at least):
+        # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). A padded token gets
+        # a = b = -inf, whose activations are exactly 0 (no decay, no write) with zero
+        # gradients, as multiplying the activated g and beta by the mask gave.
         if mask is not None:
-            beta = beta * mask[..., None].to(beta.dtype)
-            g = g * mask[..., None].to(g_dtype)
+            keep = mask[..., None] > 0
+            a = a.masked_fill(~keep, float("-inf"))
+            b = b.masked_fill(~keep, float("-inf"))
+        gating = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                      use_beta_sigmoid_in_kernel=True)
 
         is_step = previous is not None and seq_len == 1 and cu_seqlens is None
         backend = (self.decode_backend or self.backend) if is_step else self.backend
         initial_state = None if previous is None else previous.recurrent_state
         if cp_context is None and self._use_recurrent_step(seq_len, cu_seqlens, backend):
             o, recurrent_state = _functional.fused_recurrent_gated_delta_rule(
-                q, k, v, g, beta, initial_state=initial_state, output_final_state=cache is not None,
-                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=backend)
+                q, k, v, a, b, initial_state=initial_state, output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=backend, **gating)
         else:
             o, recurrent_state = op(
-                q, k, v, g, beta,
+                q, k, v, a, b, **gating,
                 initial_state=initial_state,
                 output_final_state=cache is not None,
                 use_qk_l2norm_in_kernel=True,

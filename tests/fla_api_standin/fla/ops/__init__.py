@@ -1,0 +1,1 @@
+"""fla.ops of the stand-in: only the gated delta rule."""

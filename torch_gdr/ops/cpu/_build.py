@@ -1,7 +1,7 @@
 """Build and load the C++/OpenMP extension at first use, cached across processes.
 
 The extension is compiled by :func:`torch.utils.cpp_extension.load` into
-``<cache_dir>/cpu_kernels/<key>/`` (``cache_dir()``: ``$TORCH_GDR_CACHE_DIR`` or
+``<cache_dir>/cpu_kernels/<key>/`` (:func:`torch_gdr._paths.cache_dir`: ``$TORCH_GDR_CACHE_DIR`` or
 ``~/.cache/torch_gdr``), never into the working tree. ``key`` hashes the sources, the torch
 version, the compiler (``$CXX``), the compile flags and the CPU's instruction-set flags, so
 that a change of any of them builds afresh and an unchanged one is loaded without compiling.
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr.ops.pypto._env import cache_dir
+from torch_gdr._paths import cache_dir
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp")

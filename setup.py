@@ -52,7 +52,9 @@ def compiler_problem() -> str | None:
         except (OSError, subprocess.SubprocessError) as exc:
             return f"{' '.join(command)} does not run ({exc})"
     if done.returncode != 0:
-        return f"{' '.join(command)} cannot compile a trivial file (status {done.returncode}): {done.stderr.strip()[-500:]}"
+        output = done.stderr.strip()[-500:]
+        return f"{' '.join(command)} cannot compile a trivial file (status {done.returncode})" + (
+            f": {output}" if output else "")
     return None
 
 

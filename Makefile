@@ -1,5 +1,8 @@
 # Two set-up commands for a new machine: `make run` and `make test`. Each creates .venv
 # and installs what it needs first (pinned torch 2.13.0, CPU build, for development).
+# torch_gdr itself is installed editable without build isolation, so that setup.py sees the
+# venv's torch and compiles the fused CPU kernels in place (git-ignored); where it cannot,
+# they are built at first use instead.
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +17,7 @@ $(PY):
 
 $(VENV)/.installed: setup.py requirements-dev.txt | $(PY)
 	$(PIP) install -q -r requirements-dev.txt
-	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 run: $(VENV)/.installed
@@ -56,3 +59,4 @@ bench-npu: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks
+	rm -f torch_gdr/ops/cpu/_C_*.so torch_gdr/ops/cpu/_C_build.json

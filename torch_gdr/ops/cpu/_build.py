@@ -1,117 +1,234 @@
-"""Build and load the C++/OpenMP extension at first use, cached across processes.
+"""Find the C++/OpenMP extension: the one built at install time, else one built at first use.
 
-The extension is compiled by :func:`torch.utils.cpp_extension.load` into
-``<cache_dir>/cpu_kernels/<key>/`` (``cache_dir()``: ``$TORCH_GDR_CACHE_DIR`` or
-``~/.cache/torch_gdr``), never into the working tree. ``key`` hashes the sources, the torch
-version, the compiler (``$CXX``), the compile flags and the CPU's instruction-set flags, so
-that a change of any of them builds afresh and an unchanged one is loaded without compiling.
+Two places a module can come from:
 
-Why ``-march=native`` with the CPU flags in the key: the elementwise loops are written to be
-auto-vectorised (``#pragma omp simd``), and the wide vector units are where they win. A
-binary built for one CPU may crash with an illegal instruction on another, so the CPU's
-flags (``/proc/cpuinfo``) are part of the key: a cache shared by different machines holds
-one build per instruction set, each used only where it was built. Where the flags cannot
-be read, the build uses the compiler's portable default instead. The GEMMs go to the BLAS
-torch links (MKL on x86), which dispatches on the CPU at run time by itself.
+- **prebuilt**: ``setup.py`` compiles one module per instruction-set variant
+  (:mod:`._variants`) into the package, ``torch_gdr/ops/cpu/_C_<variant>.*.so``, and writes
+  ``_C_build.json`` beside them: the torch version it compiled against, a hash of the
+  sources and the variants it built. A compiled extension is tied to the torch it was built
+  against, and an editable checkout's sources may have changed since, so the prebuilt module
+  of this CPU's variant is imported only when the running torch and the sources shipped in
+  ``csrc/`` match that record.
+- **built at first use**: otherwise :func:`torch.utils.cpp_extension.load` compiles the
+  same sources with the same flags, this CPU's variant only, into
+  ``<cache_dir>/cpu_kernels/<key>/`` (:func:`torch_gdr._paths.cache_dir`:
+  ``$TORCH_GDR_CACHE_DIR`` or ``~/.cache/torch_gdr``), never into the working tree. ``key``
+  hashes the sources, the torch version, the compiler (``$CXX``), the flags and the variant,
+  so a change of any of them builds afresh and an unchanged one loads without compiling.
+
+The GEMMs go to the BLAS torch links (MKL on x86), which dispatches on the CPU by itself.
 
 Thread- and process-safe: one lock per process around the first load, and
-``cpp_extension``'s file baton in the build directory across processes. A failure (no
-compiler, no ninja, a compile error) is remembered: :func:`load` returns None from then on
-and :func:`unavailable_reason` says why.
+``cpp_extension``'s file baton in the build directory across processes. The outcome is
+remembered: :func:`load` returns the same module (or None) from then on, :func:`origin`
+says where it came from and :func:`unavailable_reason` why there is none: no working C++
+compiler, no ninja, a failed build (its output is in a log file named in the reason), or
+sources missing from the installation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
+import json
 import os
 import platform
+import shlex
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from torch_gdr.ops.pypto._env import cache_dir
+from torch_gdr._paths import cache_dir
+from torch_gdr.ops.cpu import _variants
 
-_SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp")
-_HEADERS = ("gdr_cpu.h", "common.h")
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_SOURCE_DIR = _PACKAGE_DIR / "csrc"
+_SOURCES = _variants.SOURCES
+_HEADERS = _variants.HEADERS
+
+#: The name of the log a failed first-use build leaves in its build directory.
+BUILD_LOG = "build.log"
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """What the first :func:`load` found, kept for the life of the process."""
+
+    tried: bool = False
+    module: Optional[ModuleType] = None
+    origin: Optional[str] = None
+    failure: Optional[str] = None
+
 
 _lock = threading.Lock()
-_module: Optional[ModuleType] = None
-_failure: Optional[str] = None
-_tried = False
+_state = _Outcome()
 
 
-def _cpu_flags() -> Optional[str]:
-    """The instruction-set flags of this CPU (x86 Linux), or None where they cannot be read."""
+def _cpu_flags() -> Optional[frozenset[str]]:
+    """The instruction-set flags of this CPU (Linux), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         return None
     return None
 
 
+def variant() -> str:
+    """The instruction-set variant this CPU runs (``"avx512"``, ``"avx2"`` or ``"base"``):
+    the widest whose features /proc/cpuinfo lists, at most what torch itself dispatches to."""
+    try:
+        capability: Optional[str] = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - an old or unusual torch: rely on /proc/cpuinfo alone
+        capability = None
+    return _variants.choose(_cpu_flags(), capability)
+
+
 def compile_flags() -> list[str]:
-    """C++ flags of the build: optimised, OpenMP, and tuned to this CPU when its flags are known."""
-    flags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
-    cpu_flags = _cpu_flags()
-    if cpu_flags is not None and platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
-        if "avx512f" in cpu_flags.split():
-            flags.append("-mprefer-vector-width=512")  # GCC's default for these CPUs is 256
-    return flags
+    """C++ flags of the first-use build: those of this CPU's variant, as ``setup.py`` uses."""
+    return _variants.compile_flags(variant())
+
+
+def _compiler() -> list[str]:
+    """The C++ compiler ``cpp_extension`` runs, as a command: ``$CXX`` or ``c++``."""
+    return shlex.split(os.environ.get("CXX") or "c++") or ["c++"]
 
 
 def build_key() -> str:
-    """A hash of everything the binary depends on (see the module docstring)."""
+    """A hash of everything the first-use binary depends on (see the module docstring)."""
     digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        digest.update(name.encode())
-        digest.update((_SOURCE_DIR / name).read_bytes())
-    for part in (torch.__version__, os.environ.get("CXX", "c++"), " ".join(compile_flags()),
-                 _cpu_flags() or "portable", platform.machine()):
+    digest.update(_variants.source_hash(_SOURCE_DIR).encode())
+    for part in (torch.__version__, " ".join(_compiler()), " ".join(compile_flags()), variant(),
+                 platform.machine()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
 
 
 def build_dir() -> Path:
+    """Where the first-use build of this torch, compiler and CPU variant lives."""
     return cache_dir() / "cpu_kernels" / build_key()
 
 
-def load() -> Optional[ModuleType]:
-    """The compiled extension, building it on first use; None when it cannot be built."""
-    global _module, _failure, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        try:
-            from torch.utils import cpp_extension
+def _sources_present() -> bool:
+    return all((_SOURCE_DIR / name).is_file() for name in _SOURCES + _HEADERS)
 
-            key = build_key()
-            directory = build_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(
-                name=f"torch_gdr_cpu_{key}",
-                sources=[str(_SOURCE_DIR / s) for s in _SOURCES],
-                extra_cflags=compile_flags(),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-torch path"
-            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-            _module = None
-        _tried = True
-        return _module
+
+def _prebuilt_record() -> Optional[dict[str, Any]]:
+    """The install-time build's record (``_C_build.json``), or None when there is none."""
+    try:
+        return json.loads((_PACKAGE_DIR / _variants.METADATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _prebuilt(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
+    """The install-time module of variant ``name`` when it was built for the running torch
+    from the sources installed here, with None; else None and why it was passed over (None
+    when there is simply no install-time build)."""
+    record = _prebuilt_record()
+    if record is None:
+        return None, None
+    if name not in record.get("variants", ()):
+        return None, f"the install-time build has no {name!r} variant"
+    if record.get("torch") != torch.__version__:
+        return None, f"the install-time build is for torch {record.get('torch')}, this is {torch.__version__}"
+    # sources absent (a wheel stripped of csrc/) cannot have changed since the build
+    if _sources_present() and record.get("sources") != _variants.source_hash(_SOURCE_DIR):
+        return None, "the sources changed since the install-time build"
+    try:
+        module = importlib.import_module(f"{__package__}.{_variants.module_name(name)}")
+    except ImportError as exc:
+        return None, f"the install-time module does not import ({exc})"
+    return module, None
+
+
+def _toolchain_problem() -> Optional[str]:
+    """Why a first-use build cannot start here (no sources, compiler or ninja), or None."""
+    if not _sources_present():
+        missing = [n for n in _SOURCES + _HEADERS if not (_SOURCE_DIR / n).is_file()]
+        return (f"the C++ sources are missing from this installation ({_SOURCE_DIR}: no {', '.join(missing)}); "
+                "reinstall torch_gdr from a wheel or sdist that ships them")
+    command = _compiler()
+    if shutil.which(command[0]) is None:
+        return f"no working C++ compiler: {command[0]!r} (from $CXX, default c++) was not found"
+    try:
+        probe = subprocess.run([*command, "--version"], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"no working C++ compiler: {' '.join(command)} --version failed ({exc})"
+    if probe.returncode != 0:
+        return f"no working C++ compiler: {' '.join(command)} --version exited with status {probe.returncode}"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (torch's first-use C++ build needs it: pip install ninja)"
+    return None
+
+
+def _build_at_first_use() -> tuple[Optional[ModuleType], Optional[str]]:
+    """Build (or load the earlier build of) this CPU's variant in the cache: the module, or
+    None and the reason."""
+    problem = _toolchain_problem()
+    if problem is not None:
+        return None, problem
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / BUILD_LOG
+    try:
+        module = cpp_extension.load(
+            name=f"torch_gdr_cpu_{directory.name}",
+            sources=[str(_SOURCE_DIR / s) for s in _SOURCES],
+            extra_cflags=compile_flags(),
+            extra_ldflags=list(_variants.LINK_FLAGS),
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure means "no kernels", and says why
+        detail = str(exc).strip() or repr(exc)
+        try:
+            log.write_text(f"{type(exc).__name__}: {detail}\n", encoding="utf-8")
+        except OSError:
+            return None, f"the C++ build failed ({type(exc).__name__}: {detail.splitlines()[-1]})"
+        return None, f"the C++ build failed; the compiler's output is in {log}"
+    return module, None
+
+
+def load() -> Optional[ModuleType]:
+    """The extension of this CPU's variant: the install-time one where it fits, else built
+    in the cache on first use; None when neither is possible (see :func:`unavailable_reason`)."""
+    if _state.tried:
+        return _state.module
+    with _lock:
+        if _state.tried:
+            return _state.module
+        module, passed_over = _prebuilt(variant())
+        if module is not None:
+            _state.module, _state.origin = module, "prebuilt"
+        else:
+            module, failure = _build_at_first_use()
+            if module is not None:
+                _state.module, _state.origin = module, f"built at first use into {build_dir()}"
+            else:
+                _state.failure = failure if passed_over is None else f"{failure} ({passed_over})"
+        _state.tried = True
+        return _state.module
 
 
 def unavailable_reason() -> Optional[str]:
     """Why the extension is unavailable (after a :func:`load` attempt), or None."""
-    return _failure
+    return _state.failure
+
+
+def origin() -> Optional[str]:
+    """Where the loaded extension came from: ``"prebuilt"`` (built at install time),
+    ``"built at first use into <dir>"``, or None (none loaded, or :func:`load` not called)."""
+    return _state.origin

@@ -5,8 +5,10 @@ Importing this package does not import pypto; the first kernel build does (see `
 
 from typing import NamedTuple
 
+from torch_gdr._paths import cache_dir
+
 from . import kernel_cache as _caches
-from ._env import PyptoUnavailableError, cache_dir, import_pypto, is_pypto_available
+from ._env import PyptoUnavailableError, import_pypto, is_pypto_available
 from .backward import pypto_chunk_gated_delta_rule_bwd
 from .forward import chunk_offsets, pypto_chunk_gated_delta_rule_fwd
 from .kernel import kernel_chunk_size

@@ -31,11 +31,11 @@ from types import ModuleType
 
 import torch
 
+# re-exported: callers outside ops/cpu and ops/pypto still import the cache directory from here
+from torch_gdr._paths import CACHE_DIR_ENV, cache_dir  # noqa: F401
+
 #: The only PyPTO release whose private internals :mod:`.interpreter` knows.
 SUPPORTED_PYPTO_VERSION = "0.2.0"
-
-#: Environment variable that overrides the cache directory.
-CACHE_DIR_ENV = "TORCH_GDR_CACHE_DIR"
 
 _INSTALL_HINT = (
     "The PyPTO backend of torch_gdr needs pypto=={v}: pip install 'torch_gdr[npu]' "
@@ -57,12 +57,6 @@ _pypto: ModuleType | None = None
 
 class PyptoUnavailableError(ImportError):
     """PyPTO is missing, of the wrong version, or its internals moved."""
-
-
-def cache_dir() -> Path:
-    """Root of torch_gdr's cache: ``$TORCH_GDR_CACHE_DIR`` or ``~/.cache/torch_gdr``."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "torch_gdr")
-    return Path(root)
 
 
 #: The variables through which PyPTO's files are placed, and where torch_gdr puts them

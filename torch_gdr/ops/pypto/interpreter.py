@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-from ._env import cache_dir, import_pypto, redirected_output, scratch_dir
+from torch_gdr._paths import cache_dir
+
+from ._env import import_pypto, redirected_output, scratch_dir
 
 _INTERPRET_FLAG = "_torch_gdr_interpret"
 _lock = threading.RLock()

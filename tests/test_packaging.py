@@ -1,0 +1,229 @@
+"""The C++ kernels as installed: a wheel carries them prebuilt (and their sources), the
+running CPU picks a portable variant, and where no module can be had the reason says why
+(no compiler, a failed build with its log, sources missing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_gdr
+from torch_gdr.ops.cpu import _build, _variants
+
+REPO = Path(torch_gdr.__file__).resolve().parent.parent
+FP32_BOUND = 2e-6  # rmse ratio of a float32 kernel against the float64 recurrence
+
+# --- choosing a variant ---------------------------------------------------------------------
+
+# the features of the x86-64 levels, written out from the psABI's table (not from _variants)
+_V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3", "sse", "sse2"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.parametrize("flags, capability, expected", [
+    (_V4, "AVX512", "avx512"),
+    (_V3, "AVX2", "avx2"),
+    (_V4 - {"avx512cd"}, "AVX512", "avx2"),  # short of one feature: the level below
+    (_V3 - {"bmi2"}, "AVX2", "base"),  # AVX2 without the rest of x86-64-v3
+    (_V2, "DEFAULT", "base"),
+    (_V4, "AVX2", "avx2"),  # torch's own dispatch lowered (ATEN_CPU_CAPABILITY) lowers ours
+    (_V3, "AVX512", "avx2"),  # and never raises it past what the CPU lists
+    (None, "AVX512", "avx512"),  # no /proc/cpuinfo: torch's answer alone
+    (None, None, "base"),
+])
+def test_the_widest_variant_the_cpu_has_is_chosen(flags, capability, expected) -> None:
+    chosen = _variants.choose(None if flags is None else frozenset(flags), capability, machine="x86_64")
+    assert chosen == expected
+
+
+def test_other_architectures_build_and_choose_the_default_flags_only() -> None:
+    assert _variants.names("aarch64") == ("base",)
+    assert _variants.choose(frozenset(_V4), "AVX512", machine="aarch64") == "base"
+    assert not any(f.startswith("-march") for f in _variants.compile_flags("base", "aarch64"))
+    with pytest.raises(ValueError, match="variant"):
+        _variants.compile_flags("avx2", "aarch64")
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_no_variant_is_built_for_the_build_machine_only(machine) -> None:
+    for name in _variants.names(machine):
+        flags = _variants.compile_flags(name, machine)
+        assert "-march=native" not in flags and "-mcpu=native" not in flags and "-mtune=native" not in flags
+
+
+def test_this_cpu_runs_the_variant_it_is_given() -> None:
+    """The chosen variant's level is one /proc/cpuinfo lists in full (where it can be read)."""
+    flags = _build._cpu_flags()
+    if flags is None or not _variants.is_x86_64():
+        pytest.skip("needs an x86-64 Linux CPU")
+    assert _variants.X86_REQUIRES[_build.variant()] <= flags
+
+
+# --- why there is no module -----------------------------------------------------------------
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """``_build`` as in a new process with no install-time modules and an empty cache (the
+    remembered outcome of this process is restored afterwards)."""
+    monkeypatch.setenv("TORCH_GDR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_state", _build._Outcome())
+    monkeypatch.setattr(_build, "_prebuilt", lambda name: (None, None))
+    return _build
+
+
+def _built_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.suffix in (".so", ".o", ".pyd")] if cache.exists() else []
+
+
+@pytest.mark.parametrize("compiler", ["/bin/false", "no-such-compiler-anywhere"])
+def test_without_a_compiler_the_reason_says_so(fresh_build, monkeypatch, tmp_path, compiler) -> None:
+    monkeypatch.setenv("CXX", compiler)
+    assert fresh_build.load() is None
+    reason = fresh_build.unavailable_reason()
+    assert reason is not None and "no working C++ compiler" in reason and compiler in reason
+    assert fresh_build.origin() is None
+    assert fresh_build.load() is None and fresh_build.unavailable_reason() == reason  # remembered
+    assert not _built_files(tmp_path / "cache")
+
+
+def test_without_sources_the_reason_says_so(fresh_build, monkeypatch, tmp_path) -> None:
+    """An installation without csrc/ (a wheel built without its package data)."""
+    empty = tmp_path / "csrc"
+    empty.mkdir()
+    monkeypatch.setattr(fresh_build, "_SOURCE_DIR", empty)
+    assert fresh_build.load() is None
+    reason = fresh_build.unavailable_reason()
+    assert reason is not None and "sources are missing" in reason and str(empty) in reason
+    assert not _built_files(tmp_path / "cache")
+
+
+_FAILING_COMPILER = """#!/bin/sh
+# answers --version like a compiler, and refuses to compile anything
+case "$1" in --version|-v|-dumpfullversion|-dumpversion) echo "12.2.0"; exit 0;; esac
+echo "deliberately refusing to compile: $*" >&2
+exit 1
+"""
+
+
+def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, monkeypatch, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("the first-use build needs ninja")
+    compiler = tmp_path / "refusing-c++"
+    compiler.write_text(_FAILING_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    assert fresh_build.load() is None
+    reason = fresh_build.unavailable_reason()
+    assert reason is not None and "build failed" in reason
+    log = fresh_build.build_dir() / _build.BUILD_LOG
+    assert str(log) in reason and str(tmp_path / "cache") in str(log)
+    assert "deliberately refusing to compile" in log.read_text()
+    assert not _built_files(tmp_path / "cache")
+
+
+# --- whether an install-time module fits ----------------------------------------------------
+
+def _record(**changes) -> dict:
+    record = {"torch": torch.__version__, "sources": _variants.source_hash(_build._SOURCE_DIR),
+              "variants": list(_variants.names())}
+    record.update(changes)
+    return record
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"torch": "2.0.0"}, "for torch 2.0.0"),
+    ({"sources": "0" * 64}, "sources changed"),
+    ({"variants": []}, "no "),
+])
+def test_an_install_time_module_for_another_torch_or_other_sources_is_passed_over(monkeypatch, changes, why) -> None:
+    imported = []
+    monkeypatch.setattr(_build, "_prebuilt_record", lambda: _record(**changes))
+    monkeypatch.setattr(_build.importlib, "import_module", lambda name: imported.append(name))
+    module, passed_over = _build._prebuilt(_build.variant())
+    assert module is None and passed_over is not None and why in passed_over
+    assert not imported  # not even loaded: a module for another torch may not load cleanly
+
+
+def test_a_matching_install_time_module_is_imported(monkeypatch) -> None:
+    sentinel = object()
+    monkeypatch.setattr(_build, "_prebuilt_record", lambda: _record())
+    monkeypatch.setattr(_build.importlib, "import_module",
+                        lambda name: sentinel if name == f"torch_gdr.ops.cpu._C_{_build.variant()}" else None)
+    assert _build._prebuilt(_build.variant()) == (sentinel, None)
+
+
+# --- a wheel, installed -----------------------------------------------------------------------
+
+_RUN_FROM_THE_INSTALL = textwrap.dedent("""
+    import json, torch
+    import torch_gdr
+    from torch_gdr.ops.cpu import _build
+    from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+    from torch_gdr.testing import make_inputs, rmse_ratio
+    x = make_inputs(seq_len=70, num_qk_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, dtype=torch.float32,
+                    with_initial_state=True, normalize_qk=True, seed=3)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o, s = torch_gdr.chunk_gated_delta_rule(*args, initial_state=x["initial_state"], output_final_state=True)
+    ro, rs = naive_recurrent_gated_delta_rule(*(t.double() for t in args), initial_state=x["initial_state"].double(),
+                                              output_final_state=True)
+    print(json.dumps({"package": torch_gdr.__file__, "origin": _build.origin(), "variant": _build.variant(),
+                      "module": getattr(_build.load(), "__file__", None), "reason": _build.unavailable_reason(),
+                      "o_err": rmse_ratio(ro, o), "s_err": rmse_ratio(rs, s)}))
+""")
+
+
+def _source_copy(destination: Path) -> Path:
+    """The project's files a wheel is built from, without what a local build left beside them."""
+    destination.mkdir()
+    for name in ("setup.py", "MANIFEST.in", "README.md", "requirements-dev.txt"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, destination / name)
+    shutil.copytree(REPO / "torch_gdr", destination / "torch_gdr",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", _variants.METADATA_FILE))
+    return destination
+
+
+@pytest.mark.slow
+def test_a_wheel_installs_the_kernels_prebuilt(tmp_path) -> None:
+    if not (REPO / "setup.py").exists():
+        pytest.skip("needs the project's source tree")
+    source = _source_copy(tmp_path / "source")
+    wheels, target, cache, work = (tmp_path / d for d in ("wheels", "site", "cache", "work"))
+    for d in (wheels, target, cache, work):
+        d.mkdir()
+    # this CPU's variant only: the others build alike, at twice the time
+    env = dict(os.environ, PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1",
+               TORCH_GDR_CPU_VARIANTS=_build.variant())
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(source),
+                            "-w", str(wheels)], env=env, cwd=work, capture_output=True, text=True, timeout=3000)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = wheels.glob("torch_gdr-*.whl")
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
+                                str(wheel)], env=env, cwd=work, capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+
+    run_env = dict(os.environ, PYTHONPATH=str(target), TORCH_GDR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    ran = subprocess.run([sys.executable, "-c", _RUN_FROM_THE_INSTALL], env=run_env, cwd=work, capture_output=True,
+                         text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert Path(result["package"]).resolve().is_relative_to(target.resolve())
+    assert result["origin"] == "prebuilt", result["reason"]
+    assert Path(result["module"]).resolve().is_relative_to(target.resolve())
+    assert Path(result["module"]).name.startswith(f"_C_{result['variant']}.")
+    assert result["o_err"] < FP32_BOUND and result["s_err"] < FP32_BOUND
+    assert not any(cache.rglob("*")), "the installed wheel built into the cache"
+    # the first-use build's sources ship too
+    assert all((target / "torch_gdr" / "ops" / "cpu" / "csrc" / n).is_file()
+               for n in _variants.SOURCES + _variants.HEADERS)

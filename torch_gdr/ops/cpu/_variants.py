@@ -1,0 +1,110 @@
+"""The instruction-set variants of the C++ kernels: their flags, their sources, which one a CPU runs.
+
+The elementwise loops of the kernels are written to be auto-vectorised (``#pragma omp
+simd``), so the instruction set they are compiled for matters; a binary built for a wider
+one crashes with an illegal instruction on a CPU without it. What ships is therefore built
+for named x86-64 levels (never ``-march=native``), one extension module per level, and the
+running CPU picks the widest level it has (:func:`choose`). Other architectures get one
+variant with the compiler's default flags.
+
+Standard library only: ``setup.py`` runs this file by path, before torch_gdr (or even torch)
+is importable, so that the install-time build and the first-use build (:mod:`._build`)
+compile the same sources with the same flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+from typing import Optional
+
+#: The translation units of the extension, and the headers they include (under ``csrc/``).
+SOURCES: tuple[str, ...] = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp")
+HEADERS: tuple[str, ...] = ("gdr_cpu.h", "common.h")
+
+#: Flags of every variant: optimised, OpenMP, no errno from the math functions (which would
+#: keep ``exp`` out of vectorised loops), no debug information in what ships.
+COMMON_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno", "-g0")
+LINK_FLAGS: tuple[str, ...] = ("-fopenmp",)
+
+#: The x86-64 variants, widest first, and the flags that select their instruction set.
+#: GCC tunes AVX-512 code to 256-bit vectors unless asked: the kernels' loops gain from 512.
+X86_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512": ("-march=x86-64-v4", "-mprefer-vector-width=512"),
+    "avx2": ("-march=x86-64-v3",),
+    "base": (),
+}
+
+# The CPU features (as Linux's /proc/cpuinfo names them) of the x86-64 levels: v2, v3
+# (``abm`` is LZCNT), v4; a variant runs only where all of its level's are present.
+_X86_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_REQUIRES: dict[str, frozenset[str]] = {"avx512": _X86_V4, "avx2": _X86_V3, "base": frozenset()}
+
+#: torch.backends.cpu.get_cpu_capability()'s answers and the variant each allows at most.
+_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}
+
+#: The file, beside the install-time built modules, that records what they were built from.
+METADATA_FILE = "_C_build.json"
+
+
+def is_x86_64(machine: Optional[str] = None) -> bool:
+    """Whether ``machine`` (default: this one, ``platform.machine()``) is x86-64."""
+    return (machine or platform.machine()).lower() in ("x86_64", "amd64")
+
+
+def names(machine: Optional[str] = None) -> tuple[str, ...]:
+    """The variants built for ``machine`` (default: this one), widest first."""
+    return tuple(X86_FLAGS) if is_x86_64(machine) else ("base",)
+
+
+def module_name(variant: str) -> str:
+    """The extension module of ``variant``, inside ``torch_gdr.ops.cpu``: ``_C_<variant>``."""
+    return f"_C_{variant}"
+
+
+def compile_flags(variant: str, machine: Optional[str] = None) -> list[str]:
+    """The C++ flags of ``variant`` on ``machine`` (default: this one)."""
+    if variant not in names(machine):
+        raise ValueError(f"variant: expected one of {names(machine)} on this machine, got {variant!r}")
+    extra = X86_FLAGS[variant] if is_x86_64(machine) else ()
+    return [*COMMON_FLAGS, *extra]
+
+
+def choose(cpu_flags: Optional[frozenset[str]], torch_capability: Optional[str],
+           machine: Optional[str] = None) -> str:
+    """The widest variant this CPU runs.
+
+    Args:
+        cpu_flags: the CPU's features as /proc/cpuinfo lists them, or None where unknown.
+        torch_capability: ``torch.backends.cpu.get_cpu_capability()`` (``"AVX512"``,
+            ``"AVX2"``, ``"DEFAULT"``...), or None. It caps the choice too, so that
+            ``ATEN_CPU_CAPABILITY`` lowering torch's own kernels lowers these as well.
+        machine: ``platform.machine()`` of the CPU (default: this one).
+    """
+    if not is_x86_64(machine):
+        return "base"
+    order = list(X86_FLAGS)  # widest first
+    candidates = []
+    if cpu_flags is not None:
+        candidates.append(next(v for v in order if X86_REQUIRES[v] <= cpu_flags))
+    if torch_capability is not None:
+        candidates.append(_TORCH_CAPABILITY.get(torch_capability.upper(), "base"))
+    if not candidates:
+        return "base"
+    return max(candidates, key=order.index)  # the narrowest of the answers
+
+
+def source_hash(source_dir: Path) -> str:
+    """A hash of the sources and headers under ``source_dir`` (names and contents).
+
+    Raises:
+        FileNotFoundError: one of them is missing.
+    """
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode() + b"\0")
+        digest.update((source_dir / name).read_bytes())
+    return digest.hexdigest()

@@ -196,16 +196,11 @@ def core_busy_shares(swim_json: Path) -> dict[str, float]:
     return shares
 
 
-def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> dict[str, Any]:
-    """Compile ``launch(w)`` in stock SIM mode with its output under ``out``; return the figures.
-
-    A call of several launches sums their cycles and tasks (launches on one stream run one
-    after another; the host's cost per launch is not modelled) and weights the busy shares
-    by each launch's cycles."""
+def simulate_launches(kernel: Any, launches: list[list[torch.Tensor]], out: Path) -> list[dict[str, Any]]:
+    """Run ``kernel`` on each launch's arguments in stock SIM mode with its output under
+    ``out``; the figures of each launch (:func:`parse_report`, busy shares, report path)."""
     import_pypto()
     out.mkdir(parents=True, exist_ok=True)
-    kernel, launches = launch(w)
-    t0 = time.perf_counter()
     per_launch = []
     for args in launches:
         seen = set(out.rglob("_simulate.stat.report.txt"))
@@ -219,6 +214,18 @@ def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> d
         figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
         figures["report"] = str(reports[-1])
         per_launch.append(figures)
+    return per_launch
+
+
+def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> dict[str, Any]:
+    """Compile ``launch(w)`` in stock SIM mode with its output under ``out``; return the figures.
+
+    A call of several launches sums their cycles and tasks (launches on one stream run one
+    after another; the host's cost per launch is not modelled) and weights the busy shares
+    by each launch's cycles."""
+    kernel, launches = launch(w)
+    t0 = time.perf_counter()
+    per_launch = simulate_launches(kernel, launches, out)
     seconds = time.perf_counter() - t0
     cycles = sum(f["total_cycles"] for f in per_launch)
 
@@ -237,6 +244,95 @@ def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> d
         report=per_launch[-1]["report"], reports=[f["report"] for f in per_launch],
         compile_and_model_s=round(seconds, 1),
     )
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@dataclass(frozen=True)
+class DecodeWorkload:
+    """One decode step over a pool: B sequences of S tokens, rows drawn at random from a
+    pool of ``B * S + 8`` slots (each sequence reads one row and writes S)."""
+
+    batch: int
+    tokens: int = 1
+    heads: int = 16
+    v_heads: int = 32
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    dtype: str = "float32"
+    pool_dtype: str = "float32"
+    l2norm: bool = True
+
+
+def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
+    slots = w.batch * w.tokens + 8
+    gen = torch.Generator().manual_seed(1)
+    return slots, torch.randperm(slots, generator=gen)[:w.batch * w.tokens].view(w.batch, w.tokens)
+
+
+def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
+    """The decode kernel for ``w`` (built for the batch's bucket, padded as the host pads)
+    and its one launch's arguments."""
+    from torch_gdr.ops.pypto.decode import batch_bucket
+    from torch_gdr.ops.pypto.kernel_decode import build_decode_kernel
+
+    bucket, n, s = batch_bucket(w.batch), w.batch, w.tokens
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, w.dtype)
+    rows_total = bucket * s
+    q = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
+    k = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
+    v = torch.randn(rows_total, w.v_heads * w.head_v_dim, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
+    beta = torch.sigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
+    slots, rows = _pool_rows(w)
+    pad = torch.full((bucket - n,), -1, dtype=torch.int64)
+    read_rows = torch.cat([rows[:, 0], pad]).int()
+    write_rows = torch.cat([rows.flatten(), pad.repeat_interleave(s)]).int()
+    pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
+    o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
+    kernel = build_decode_kernel(batch_bucket=bucket, num_qk_heads=w.heads, num_v_heads=w.v_heads,
+                                 head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
+                                 use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
+                                 pool_dtype=w.pool_dtype)
+    return kernel, [[q, k, v, g, beta, read_rows, write_rows, pool, o, pool]]
+
+
+def copy_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
+    """A PyPTO kernel that moves the pool-row bytes the decode step must move and nothing
+    else: each (sequence, value head) reads its ``[K, V]`` row once and writes it to each
+    of its S rows, in the pool's dtype, the same loop and tiles as the decode kernel. Its
+    cycles are the memory bound as the cost model sees it."""
+    from torch_gdr.ops.pypto.kernel_decode import build_pool_copy_kernel
+
+    n, s, hv, dk, dv = w.batch, w.tokens, w.v_heads, w.head_k_dim, w.head_v_dim
+    pool_row_copy = build_pool_copy_kernel(batch=n, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                                           tokens_per_seq=s, pool_dtype=w.pool_dtype)
+    slots, rows = _pool_rows(w)
+    pool = torch.zeros(slots * hv * dk, dv, dtype=getattr(torch, w.pool_dtype))
+    return pool_row_copy, [[rows[:, 0].int().contiguous(), rows.flatten().int().contiguous(), pool, pool]]
+
+
+def run_decode_cost_model(w: DecodeWorkload, out: Path) -> dict[str, Any]:
+    """The decode kernel's cycles and, in the same run, the copy kernel's
+    (:func:`copy_launch`): ``total_cycles`` and ``memory_bound_cycles`` in ``result.json``."""
+    t0 = time.perf_counter()
+    kernel, launches = decode_launch(w)
+    decode = simulate_launches(kernel, launches, out / "decode")[0]
+    copy_kernel, copy_launches = copy_launch(w)
+    copy = simulate_launches(copy_kernel, copy_launches, out / "copy")[0]
+    result = dict(
+        workload=asdict(w), total_cycles=decode["total_cycles"], us=round(decode["total_cycles"] / CYCLES_PER_US, 1),
+        tasks=decode["tasks"], memory_bound_cycles=copy["total_cycles"], copy_tasks=copy["tasks"],
+        ratio_to_copy=round(decode["total_cycles"] / max(copy["total_cycles"], 1), 2),
+        pool_row_bytes=2 * w.batch * w.tokens * w.v_heads * w.head_k_dim * w.head_v_dim
+        * torch.empty(0, dtype=getattr(torch, w.pool_dtype)).element_size(),
+        cube_busy_pct=decode["cube_busy_pct"], vector_busy_pct=decode["vector_busy_pct"],
+        cube_pipe_pct=decode["cube_pipe_pct"], vector_pipe_pct=decode["vector_pipe_pct"],
+        report=decode["report"], copy_report=copy["report"],
+        compile_and_model_s=round(time.perf_counter() - t0, 1),
+    )
+    out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -304,11 +400,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-states", action="store_true", help="also write the per-chunk states")
     parser.add_argument("--stitch", type=int, default=None, help="pypto's stitch_function_max_num")
     parser.add_argument("--backward", action="store_true", help="time the backward kernel")
+    parser.add_argument("--decode", action="store_true",
+                        help="time the decode step over a state pool (with --batch, --tokens) beside a copy kernel "
+                             "moving the same pool-row bytes")
+    parser.add_argument("--batch", type=int, default=1, help="with --decode: sequences in the step")
+    parser.add_argument("--tokens", type=int, default=1, help="with --decode: tokens per sequence (1..8)")
+    parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="with --decode: the pool's dtype")
     parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
     parser.add_argument("--suite", action="store_true", help="run the fixed table (make bench-npu)")
     parser.add_argument("--append", default=None, help="with --suite: append the table to this markdown file")
     args = parser.parse_args(argv)
 
+    if args.decode:
+        w = DecodeWorkload(batch=args.batch, tokens=args.tokens, heads=args.heads, v_heads=args.v_heads,
+                           head_k_dim=args.head_dim, head_v_dim=args.head_v_dim or args.head_dim, dtype=args.dtype,
+                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm)
+        with output_root(args.out) as root:
+            r = run_decode_cost_model(w, root)
+        print(f"decode B={w.batch} S={w.tokens} H={w.heads} HV={w.v_heads} K={w.head_k_dim} V={w.head_v_dim} "
+              f"{w.dtype} inputs, {w.pool_dtype} pool: {r['total_cycles']:,} cycles ({r['us']:,} us, {r['tasks']} "
+              f"tasks); copy of the pool rows: {r['memory_bound_cycles']:,} cycles ({r['copy_tasks']} tasks), "
+              f"ratio {r['ratio_to_copy']}; cores busy: vector {r['vector_busy_pct']}%, pipes: vector "
+              f"{r['vector_pipe_pct']}% ({r['compile_and_model_s']} s)")
+        return
     launch: Launch = forward_launch
     if args.backward:
         if BACKWARD_LAUNCH is None:

@@ -204,8 +204,7 @@ def test_compiled_eval_layer_decode() -> None:
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend, error", [("recurrent", BackendError), ("fla", FlaBackendError),
-                                            ("pypto", PyptoBackendError)])
+@pytest.mark.parametrize("backend, error", [("recurrent", BackendError), ("fla", FlaBackendError)])
 def test_pool_steps_only_on_backends_that_have_one(backend: str, error: type) -> None:
     x = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
                     dtype=torch.float32)
@@ -214,6 +213,17 @@ def test_pool_steps_only_on_backends_that_have_one(backend: str, error: type) ->
                                     r"no step over a state pool"):
         torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]),
                                                    backend=backend)
+
+
+def test_pypto_pool_step_refuses_head_dims_its_kernel_lacks() -> None:
+    """"pypto" has a pool step (its decode kernel), for K and V in 64 or 128 only."""
+    x = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                    dtype=torch.float32)
+    pool = torch.zeros(4, 2, 16, 16)
+    with pytest.raises(PyptoBackendError, match=r"backend 'pypto' cannot serve this step over a state pool: .*"
+                                                r"head dims"):
+        torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]),
+                                                   backend="pypto")
 
 
 def test_pool_step_without_kernels_warns_once_and_runs_torch(monkeypatch) -> None:

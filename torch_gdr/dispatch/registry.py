@@ -53,8 +53,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (_TORCH, _CPU, _RECURRENT, _P
 UNIVERSAL_BACKEND = "torch"
 
 #: ``(entry, device type) -> backends tried in order`` by a default call; any other device
-#: type tries ``"torch"`` only. The NPU's step stays on ``"torch"`` until a decode kernel
-#: exists (the PyPTO step is one chunked launch per token).
+#: type tries ``"torch"`` only. The NPU's step without a pool stays on ``"torch"`` (the
+#: PyPTO step is one chunked launch per token); its step over a state pool is the PyPTO
+#: decode kernel.
 DEVICE_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("chunk", "cpu"): ("cpu", "torch"),
     ("step", "cpu"): ("cpu", "torch"),
@@ -63,6 +64,8 @@ DEVICE_ORDERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("step", "cuda"): ("fla", "torch"),
     ("chunk", "npu"): ("pypto", "torch"),
     ("chunk", "privateuseone"): ("pypto", "torch"),
+    ("pool_step", "npu"): ("pypto", "torch"),
+    ("pool_step", "privateuseone"): ("pypto", "torch"),
 }
 
 

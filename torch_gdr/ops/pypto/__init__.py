@@ -15,22 +15,24 @@ from .kernel import kernel_chunk_size
 
 
 class KernelCaches(NamedTuple):
-    """The compiled-kernel caches: forward kernels (hits, misses, keys) and backward kernels
-    (hits, misses, keys, launches)."""
+    """The compiled-kernel caches: forward kernels (hits, misses, keys), backward kernels
+    (hits, misses, keys, launches) and decode-step kernels (hits, misses, keys, buckets)."""
 
     forward: _caches.CacheInfo
     backward: _caches.BwdCacheInfo
+    decode: _caches.DecodeCacheInfo
 
 
 def cache_info() -> KernelCaches:
-    """What the forward and the backward kernel caches hold, each apart."""
-    return KernelCaches(_caches.cache_info(), _caches.bwd_cache_info())
+    """What the forward, backward and decode kernel caches hold, each apart."""
+    return KernelCaches(_caches.cache_info(), _caches.bwd_cache_info(), _caches.decode_cache_info())
 
 
 def cache_clear() -> None:
-    """Drop every cached forward and backward kernel and reset the statistics."""
+    """Drop every cached forward, backward and decode kernel and reset the statistics."""
     _caches.cache_clear()
     _caches.bwd_cache_clear()
+    _caches.decode_cache_clear()
 
 __all__ = [
     "KernelCaches",

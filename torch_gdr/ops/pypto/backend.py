@@ -14,6 +14,7 @@ from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning
 from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, Reason
 from torch_gdr.ops.pypto import spec
 from torch_gdr.ops.pypto import _env
+from torch_gdr.ops.pypto.decode import pypto_pool_step
 from torch_gdr.ops.pypto.op import pypto_bwd, pypto_fwd, pypto_step
 
 
@@ -31,12 +32,13 @@ def _reasons(call: CallSpec) -> list[Reason]:
 
 BACKEND = Backend(
     name="pypto",
-    capabilities=Capabilities(entries=frozenset({"chunk", "step"}), device_types=("cpu", "npu", "privateuseone"),
+    capabilities=Capabilities(entries=frozenset({"chunk", "step", "pool_step"}), device_types=("cpu", "npu", "privateuseone"),
                               dtypes=spec.DTYPES, head_dims=spec.HEAD_DIMS, chunk_sizes=spec.CHUNK_SIZES),
     forward_op=pypto_fwd,
     backward_op=pypto_bwd,
     keeps_chunk_states=True,
     step=pypto_step,
+    pool_step=pypto_pool_step,
     may_fail=True,
     warns_when_unsupported=True,
     error=PyptoBackendError,

@@ -190,3 +190,60 @@ def _count_launch() -> None:
     global _launches
     with _launch_lock:
         _launches += 1
+
+
+def _default_decode_builder(**config: Any) -> Any:
+    from .kernel_decode import build_decode_kernel
+
+    return build_decode_kernel(**config)
+
+
+@dataclass(frozen=True)
+class DecodeKernelKey:
+    """Everything a decode-step kernel is specialised on; ``kind`` tells it from other keys.
+    The batch enters as its bucket (:func:`torch_gdr.ops.pypto.decode.batch_bucket`), so
+    batch sizes of one bucket share a kernel."""
+
+    batch_bucket: int
+    num_qk_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    tokens_per_seq: int
+    use_qk_l2norm: bool
+    scale: float
+    input_dtype: str
+    pool_dtype: str
+    on_device: bool
+    kind: str = field(default="decode")
+
+
+class DecodeCacheInfo(NamedTuple):
+    """Decode-kernel cache statistics: lookups served, kernels built, keys held, and the
+    batch buckets those keys cover (sorted, each once)."""
+
+    hits: int
+    misses: int
+    keys: tuple[DecodeKernelKey, ...]
+    buckets: tuple[int, ...]
+
+
+_decode_kernels = KernelCache(DecodeKernelKey, lambda **config: _default_decode_builder(**config))
+
+
+def get_decode_kernel(*, builder: Callable[..., Any] | None = None, **config: Any) -> Any:
+    """The decode kernel for ``config`` (fields of :class:`DecodeKernelKey` but ``kind``),
+    built once by ``builder`` (default :func:`.kernel_decode.build_decode_kernel`)."""
+    return _decode_kernels.get(builder, **config)
+
+
+def decode_cache_info() -> DecodeCacheInfo:
+    """Hits, misses (= kernels built), the keys held and their batch buckets."""
+    info = _decode_kernels.info()
+    buckets = tuple(sorted({key.batch_bucket for key in info.keys}))
+    return DecodeCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, buckets=buckets)
+
+
+def decode_cache_clear() -> None:
+    """Drop every cached decode kernel and reset the statistics."""
+    _decode_kernels.clear()

@@ -1,0 +1,147 @@
+"""The PyPTO decode-step kernel over a state pool, through the public call
+(``torch_gdr.fused_recurrent_gated_delta_rule(..., ssm_state_indices=..., backend="pypto")``
+on CPU tensors, run by PyPTO's interpreter), against the float64 recurrence run on each
+request alone.
+
+Tolerance: float32 elementwise ``|got - ref| <= 1e-3 |ref| + 1e-4`` on outputs and written
+rows; bfloat16/float16 (inputs or pool) fla's rmse ratio 0.005. Every byte of the pool
+outside the written rows is unchanged. The interpreter is slow: default cases are tiny
+(K = V = 64, at most three sequences), larger ones are slow-marked.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import pytest
+import torch
+
+import torch_gdr
+from torch_gdr.ops.pypto import is_pypto_available
+from torch_gdr.testing import make_inputs, rmse_ratio
+
+if not is_pypto_available():
+    pytest.skip("pypto==0.2.0 is not importable (pip install 'torch_gdr[npu]')", allow_module_level=True)
+
+from tests.test_pool import FIELDS, make_pool, reference_tokens  # noqa: E402
+from torch_gdr.ops.pypto import kernel_cache  # noqa: E402
+
+
+def _key_first(x: torch.Tensor, v_first: bool) -> torch.Tensor:
+    return x.transpose(-1, -2) if v_first else x
+
+
+def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want).abs()
+    bad = int((err > 1e-3 * want.abs() + 1e-4).sum())
+    assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+
+
+def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]], *, heads=(1, 2), dk: int = 64,
+             dv: int = 64, rows: Optional[list[list[int]]] = None, dtype=torch.float32, pool_dtype=torch.float32,
+             v_first: bool = False, pad: int = 0, l2norm: bool = True, scale: Optional[float] = None,
+             nan_rows: tuple[int, ...] = (), slots: int = 12, seed: int = 0) -> None:
+    """One decode call on ``"pypto"`` against each request alone (see the module docstring).
+    ``nan_rows``: pool rows filled with NaN that no sequence reads (-1 must not read them)."""
+    h, hv = heads
+    cols = width or 1
+    if rows is None:
+        picks = random.Random(seed).sample([r for r in range(slots) if r not in nan_rows], len(lens) * cols)
+        rows = [picks[n * cols:(n + 1) * cols] for n in range(len(lens))]
+    x = make_inputs(seqlens=lens, num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=dtype,
+                    seed=seed)
+    cu = x.pop("cu_seqlens")
+    bos = cu.tolist()[:-1]
+    pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 1)
+    for r in nan_rows:
+        pool[r] = float("nan")
+    before = buffer.clone()
+    before_pool = before[:, :pool[0].numel()].view(pool.shape)
+    idx = torch.tensor(rows if width else [r[0] for r in rows], dtype=torch.int32)
+    acc = None if accepted is None else torch.tensor(accepted, dtype=torch.int64)
+    with torch.no_grad():
+        o, returned = torch_gdr.fused_recurrent_gated_delta_rule(
+            *(x[f] for f in FIELDS[:4]), beta=x["beta"], scale=scale, initial_state=pool, ssm_state_indices=idx,
+            num_accepted_tokens=acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first,
+            backend="pypto")
+    assert returned is pool
+    assert o.shape == x["v"].shape and o.dtype == dtype
+    o = o.reshape(-1, hv, dv)
+
+    written: dict[int, torch.Tensor] = {}
+    ref_o, out_o = [], []
+    for n, length in enumerate(lens):
+        start = rows[n][(accepted[n] - 1) if accepted else 0]
+        state = (torch.zeros(hv, dk, dv, dtype=torch.float64) if start < 0
+                 else _key_first(before_pool[start], v_first).double())
+        outs, states = reference_tokens(x, list(range(bos[n], bos[n] + length)), state, scale, l2norm)
+        ref_o += outs
+        out_o += [o[t] for t in range(bos[n], bos[n] + length)]
+        for j, s in enumerate(states):
+            if rows[n][j] >= 0:
+                written[rows[n][j]] = s.to(pool_dtype).double()
+    ref, out = torch.stack(ref_o), torch.stack(out_o)
+    low_precision = dtype != torch.float32 or pool_dtype != torch.float32
+    if low_precision:
+        assert rmse_ratio(ref, out) < 0.005, "o"
+    else:
+        assert_within_tolerance("o", out, ref)
+    for row, state in written.items():
+        got = _key_first(pool[row], v_first).double()
+        if low_precision:
+            assert rmse_ratio(state, got) < 0.005, f"row {row}"
+        else:
+            assert_within_tolerance(f"row {row}", got, state)
+    untouched = torch.ones(buffer.shape, dtype=torch.bool)
+    for row in written:
+        untouched[row, :pool[0].numel()] = False
+    # bit for bit (NaN rows included)
+    assert torch.equal(buffer[untouched].view(torch.uint8), before[untouched].view(torch.uint8)), \
+        "pool bytes outside the written rows changed"
+
+
+def test_one_token_per_sequence_minus1_rows_gva_l2norm_scale() -> None:
+    """1-D indices, a -1 row (zeros in, nothing written; a NaN row elsewhere must not leak
+    in its place), two value heads per key head, the in-kernel l2norm and a scale."""
+    run_case([1, 1, 1], None, None, rows=[[2], [-1], [5]], nan_rows=(0,), scale=0.3)
+
+
+def test_speculative_step_with_acceptance_and_minus1_slots() -> None:
+    """[N, S] indices: sequences of different lengths (cu_seqlens), each starting from the
+    row after its last accepted token, -1 slots never written."""
+    run_case([3, 2], 3, [2, 3], rows=[[4, 6, -1], [1, -1, 9]])
+
+
+@pytest.mark.slow
+def test_bf16_inputs_and_bf16_pool() -> None:
+    run_case([1, 1], None, None, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)
+
+
+def test_bucketed_cache_reuses_one_kernel_for_two_batch_sizes() -> None:
+    """Batch sizes 5 and 6 share the bucket 6: one kernel is built and then reused; the
+    cache reports that bucket. (Checked on a cleared decode cache.)"""
+    from torch_gdr.ops.pypto.decode import batch_bucket
+
+    assert batch_bucket(5) == batch_bucket(6) == 6
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([1] * 5, None, None, heads=(1, 1), slots=12, seed=1)
+        run_case([1] * 6, None, None, heads=(1, 1), slots=12, seed=2)
+        info = torch_gdr.ops.pypto.cache_info().decode
+        assert (info.misses, info.hits, info.buckets) == (1, 1, (6,))
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs"])
+def test_more_configurations(case: str) -> None:
+    if case == "k128_v64_fp16_pool":
+        run_case([1, 1, 1], None, None, heads=(2, 4), dk=128, dv=64, pool_dtype=torch.float16)
+    elif case == "v_first_padded":
+        run_case([2, 1, 2], 2, [1, 2, 2], v_first=True, pad=5)
+    elif case == "width8_k128":
+        run_case([8, 5], 8, [8, 3], dk=128, dv=128, l2norm=False, slots=20)
+    elif case == "fp16_inputs":
+        run_case([2, 2], 2, [1, 2], dtype=torch.float16)

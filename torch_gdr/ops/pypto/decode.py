@@ -1,0 +1,186 @@
+"""Host side of the PyPTO decode step over a state pool (the kernel: :mod:`.kernel_decode`;
+the semantics: :mod:`torch_gdr._pool`).
+
+One kernel launch per step for the whole batch. The batch is padded up to its bucket
+(:func:`batch_bucket`) with sequences whose rows are all -1, so a serving loop whose
+batch size wanders builds a few kernels, one per bucket. Sequences shorter than the
+speculative width S are padded with tokens whose write rows are -1 (their outputs are
+dropped). The row tables are built with device ops from the index tensors (no host read
+of them here; :func:`torch_gdr._pool.check_pool_args` validates them as the semantics
+say).
+
+A key-first pool whose rows are packed (row stride = row size) is read and written in
+place by the kernel. A value-first pool or one with padded rows goes through a packed
+key-first copy of the rows the call touches, written back afterwards.
+
+On CPU tensors the kernel runs through PyPTO's interpreter (:mod:`.interpreter`); on
+Ascend NPU tensors it is launched on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from torch_gdr import _pool
+
+from . import interpreter
+from .kernel_cache import get_decode_kernel
+
+Tensor = torch.Tensor
+
+#: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
+#: :func:`.kernel_decode.build_decode_kernel`.
+KernelGetter = Callable[..., Any]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Positions of the outputs among the kernel's tensor arguments.
+_O_ARG, _POOL_OUT_ARG = 8, 9
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """The batch size the kernel for ``num_seqs`` sequences is built for: the powers of
+    two and the midpoints between them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), so padding
+    wastes at most a third of a launch and a serving loop meets two buckets per doubling
+    of its batch."""
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs: expected a positive int, got {num_seqs}")
+    bucket = 1
+    while True:
+        for candidate in (bucket, bucket + bucket // 2):
+            if candidate >= num_seqs:
+                return candidate
+        bucket *= 2
+
+
+def _token_slots(plan: _pool.PoolPlan, width: int, device: torch.device) -> Optional[Tensor]:
+    """Index into the flattened tokens of every (sequence, slot j < S) in the kernel's
+    order, or None when the tokens already lie that way (every sequence S tokens long,
+    back to back). Slots past a sequence's length point at its first token (or token 0):
+    their outputs are dropped and their states never written."""
+    if all(length == width for length in plan.seq_lens) and plan.bos == tuple(n * width for n in range(plan.num_seqs)):
+        return None
+    table = [plan.bos[n] + (j if j < plan.seq_lens[n] else 0) for n in range(plan.num_seqs) for j in range(width)]
+    return torch.tensor(table, dtype=torch.int64, device=device)
+
+
+def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                    ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
+                    cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                    state_v_first: bool = False, validate: bool = True,
+                    kernel_getter: Optional[KernelGetter] = None) -> Tensor:
+    """The decode step over a state pool through the PyPTO kernel, in place.
+
+    Args:
+        q, k: ``[B, T, H, K]`` or token-major ``[T, H, K]``; v: ``[B, T, HV, V]`` (``[T, HV,
+            V]``); float32, float16 or bfloat16 (q/k in another dtype than v: all read as
+            float32). g, beta: ``[B, T, HV]`` (``[T, HV]``), any float dtype.
+        scale: factor on q after the l2norm; ``K ** -0.5`` when None.
+        pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``),
+            float32, bfloat16 or float16; updated in place.
+        ssm_state_indices: ``[N]`` or ``[N, S]`` (S <= 8) int32/int64 rows; -1: zeros,
+            never written. num_accepted_tokens: ``[N]`` in ``1..S``, or None.
+        cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
+        use_qk_l2norm_in_kernel: l2-normalise q and k first.
+        validate: check index values also when they live on a device.
+        kernel_getter: returns the kernel for a configuration; defaults to the decode
+            kernel cache (:func:`.kernel_cache.get_decode_kernel`).
+
+    Returns:
+        ``o`` in the shape and dtype of v.
+    """
+    from .kernel_decode import MAX_TOKENS_PER_SEQ
+
+    plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                                 validate=validate)
+    device = q.device
+    if device.type not in ("cpu", "npu"):
+        raise ValueError(f"q: the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
+    if v.dtype not in _DTYPE_NAMES or q.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"q, v: the PyPTO decode kernel reads float32, float16 or bfloat16, got q in {q.dtype}, "
+                        f"v in {v.dtype}")
+    indices = plan.indices  # [N, S] int64 on the pool's device
+    num_seqs, width = indices.shape
+    if width > MAX_TOKENS_PER_SEQ:
+        raise ValueError(f"ssm_state_indices: the PyPTO decode kernel takes at most {MAX_TOKENS_PER_SEQ} tokens per "
+                         f"sequence (S), got S = {width}")
+    num_qk_heads, head_k_dim = q.shape[-2], q.shape[-1]
+    num_v_heads, head_v_dim = v.shape[-2], v.shape[-1]
+    scale = head_k_dim ** -0.5 if scale is None else float(scale)
+    if num_seqs == 0 or sum(plan.seq_lens) == 0:
+        return torch.zeros_like(v)
+
+    # Inputs in the kernel's token order [N * S, heads * dim], in one dtype.
+    in_dtype = v.dtype if q.dtype == v.dtype else torch.float32
+    flat = [x if plan.token_major else x.reshape(-1, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    slots = _token_slots(plan, width, device)
+    if slots is not None:
+        flat = [x.index_select(0, slots) for x in flat]
+    bucket = batch_bucket(num_seqs)
+    pad_tokens = (bucket - num_seqs) * width
+
+    def packed(x: Tensor, dtype: torch.dtype) -> Tensor:
+        x = x.reshape(num_seqs * width, -1).to(dtype)
+        if pad_tokens:
+            x = torch.cat([x, x.new_zeros(pad_tokens, x.shape[1])])
+        return x.contiguous()
+
+    q_in, k_in, v_in = (packed(x, in_dtype) for x in flat[:3])
+    g_in, beta_in = (packed(x, torch.float32) for x in flat[3:])
+
+    # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
+    read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
+    lengths = torch.tensor(plan.seq_lens, dtype=torch.int64, device=indices.device)
+    in_sequence = torch.arange(width, device=indices.device).view(1, -1) < lengths.view(-1, 1)
+    write_rows = torch.where(in_sequence, indices, torch.full_like(indices, -1))
+
+    # The pool the kernel sees: the caller's (packed key-first rows), or a packed copy of
+    # the rows this call touches.
+    row_size = num_v_heads * head_k_dim * head_v_dim
+    in_place = not state_v_first and pool.stride(0) == row_size
+    if in_place:
+        work_pool = pool
+    else:
+        touched = torch.unique(torch.cat([read_rows, write_rows.flatten()]))
+        touched = touched[touched >= 0]
+        work_pool = _pool.pool_gather(pool, touched, state_v_first).to(pool.dtype)
+        if touched.numel() == 0:
+            work_pool = pool.new_zeros(1, num_v_heads, head_k_dim, head_v_dim)
+        remap = torch.full((plan.slots,), -1, dtype=torch.int64, device=indices.device)
+        remap[touched] = torch.arange(touched.numel(), device=indices.device)
+
+        def local(rows: Tensor) -> Tensor:
+            return torch.where(rows >= 0, remap[rows.clamp_min(0)], rows)
+
+        read_rows, write_rows = local(read_rows), local(write_rows)
+    pad_rows = torch.full((bucket - num_seqs,), -1, dtype=torch.int64, device=indices.device)
+    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32)
+    write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
+                                                                                      dtype=torch.int32)
+
+    getter = kernel_getter if kernel_getter is not None else get_decode_kernel
+    kernel = getter(batch_bucket=bucket, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
+                    head_v_dim=head_v_dim, tokens_per_seq=width, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+                    scale=scale, input_dtype=_DTYPE_NAMES[in_dtype], pool_dtype=_DTYPE_NAMES[pool.dtype],
+                    on_device=device.type == "npu")
+    o = torch.zeros(bucket * width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)
+    pool_rows = work_pool.view(-1, head_v_dim)
+    interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, read_in, write_in, pool_rows, o, pool_rows],
+                       [_O_ARG, _POOL_OUT_ARG])
+    if not in_place and touched.numel():
+        _pool.pool_scatter(pool, touched, work_pool, state_v_first)
+
+    o = o[:num_seqs * width].view(num_seqs, width, num_v_heads, head_v_dim)
+    if slots is None:
+        out = o.reshape(v.shape)
+    else:
+        num_tokens = v.numel() // (num_v_heads * head_v_dim)
+        out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+        valid = in_sequence.to(device)
+        token_ids = slots.view(num_seqs, width)[valid]
+        out[token_ids] = o[valid]
+        out = out.reshape(v.shape)
+    return out.to(v.dtype)

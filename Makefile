@@ -2,7 +2,8 @@
 # and installs what it needs first (pinned torch 2.13.0, CPU build, for development).
 # torch_gdr itself is installed editable without build isolation, so that setup.py sees the
 # venv's torch and compiles the fused CPU kernels in place (git-ignored); where it cannot,
-# they are built at first use instead.
+# they are built at first use instead. The venv's bin goes first on PATH for that step, so
+# torch's build finds the venv's ninja and compiles the sources side by side.
 
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +18,7 @@ $(PY):
 
 $(VENV)/.installed: setup.py requirements-dev.txt | $(PY)
 	$(PIP) install -q -r requirements-dev.txt
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 run: $(VENV)/.installed

@@ -145,6 +145,25 @@ inline void step_block(const TokenIn& t, const float* src, float* dst, int64_t K
   block_generic(tb, s, d, K, V, w, scratch, scratch + kBlock, scratch + 2 * kBlock, out + j0);
 }
 
+// Token `tok` of value head `h` (q/k head `hk`) in float32 at `buf` ([q | k | v], l2-normalised
+// q and k if asked), with the factors every block of the step uses.
+template <typename T>
+inline TokenIn prepare_token(const Problem& p, const T* q, const T* k, const T* v, const float* g,
+                             const float* beta, int64_t tok, int64_t hk, int64_t h, float* buf) {
+  const int64_t K = p.K, V = p.V, H = p.H, HV = p.HV;
+  float *qv = buf, *kv = qv + K, *vv = kv + K;
+  load_row(q + (tok * H + hk) * K, qv, K);
+  load_row(k + (tok * H + hk) * K, kv, K);
+  load_row(v + (tok * HV + h) * V, vv, V);
+  if (p.l2norm) {
+    float rn;
+    l2norm_rows(qv, &rn, 1, K);
+    l2norm_rows(kv, &rn, 1, K);
+  }
+  const float alpha = std::exp(g[tok * HV + h]);
+  return TokenIn{qv, kv, vv, alpha, beta[tok * HV + h], alpha * p.scale, dot(kv, qv, K) * p.scale};
+}
+
 template <typename T>
 void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                      const float* initial, T* o, float* final_state) {
@@ -171,17 +190,7 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
           const int64_t count = std::min(kGroup, p.len[n] - t0);
           for (int64_t c = 0; c < count; ++c) {
             const int64_t tok = p.bos[n] + t0 + c;
-            float *qv = scratch + c * token_floats, *kv = qv + K, *vv = kv + K;
-            load_row(q + (tok * H + hk) * K, qv, K);
-            load_row(k + (tok * H + hk) * K, kv, K);
-            load_row(v + (tok * HV + h) * V, vv, V);
-            if (p.l2norm) {
-              float rn;
-              l2norm_rows(qv, &rn, 1, K);
-              l2norm_rows(kv, &rn, 1, K);
-            }
-            const float alpha = std::exp(g[tok * HV + h]);
-            in[c] = TokenIn{qv, kv, vv, alpha, beta[tok * HV + h], alpha * p.scale, dot(kv, qv, K) * p.scale};
+            in[c] = prepare_token(p, q, k, v, g, beta, tok, hk, h, scratch + c * token_floats);
           }
           for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
             const int64_t w = std::min(kBlock, V - j0);
@@ -284,17 +293,7 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
           const int64_t count = std::min(kGroup, p.len[n] - t0);
           for (int64_t c = 0; c < count; ++c) {
             const int64_t tok = p.bos[n] + t0 + c;
-            float *qv = scratch + c * token_floats, *kv = qv + K, *vv = kv + K;
-            load_row(q + (tok * H + hk) * K, qv, K);
-            load_row(k + (tok * H + hk) * K, kv, K);
-            load_row(v + (tok * HV + h) * V, vv, V);
-            if (p.l2norm) {
-              float rn;
-              l2norm_rows(qv, &rn, 1, K);
-              l2norm_rows(kv, &rn, 1, K);
-            }
-            const float alpha = std::exp(g[tok * HV + h]);
-            in[c] = TokenIn{qv, kv, vv, alpha, beta[tok * HV + h], alpha * p.scale, dot(kv, qv, K) * p.scale};
+            in[c] = prepare_token(p, q, k, v, g, beta, tok, hk, h, scratch + c * token_floats);
             const int64_t row = a.indices[n * a.width + t0 + c];
             dst[c] = (direct && row >= 0) ? reinterpret_cast<float*>(head_of(row, h)) : work;
             store[c] = (!direct && row >= 0) ? head_of(row, h) : nullptr;

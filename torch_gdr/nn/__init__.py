@@ -8,7 +8,8 @@
 from torch_gdr.nn.cache import GatedDeltaNetCache, LayerState
 from torch_gdr.nn.gated_deltanet import GatedDeltaNet
 from torch_gdr.nn.norm import GatedRMSNorm
+from torch_gdr.nn.pool_cache import GatedDeltaNetPoolBatch, GatedDeltaNetPoolCache
 from torch_gdr.nn.short_conv import ShortConvolution, causal_depthwise_conv1d
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedRMSNorm", "LayerState", "ShortConvolution",
+__all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetPoolBatch", "GatedDeltaNetPoolCache", "GatedRMSNorm", "LayerState", "ShortConvolution",
            "causal_depthwise_conv1d"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chu
                                   check_positive_int)
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
+from torch_gdr.nn.pool_cache import GatedDeltaNetPoolBatch, GatedDeltaNetPoolCache
 from torch_gdr.nn.short_conv import ShortConvolution
 
 # Like fla's layer: out of training, calls of at most this many tokens run token by token.
@@ -207,7 +208,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[GatedDeltaNetCache] = None, *, cp_context: Optional[Any] = None) -> torch.Tensor:
+                cache: Union[GatedDeltaNetCache, GatedDeltaNetPoolCache, GatedDeltaNetPoolBatch, None] = None, *, cp_context: Optional[Any] = None) -> torch.Tensor:
         """Mix tokens.
 
         Args:
@@ -227,7 +228,11 @@ class GatedDeltaNet(nn.Module):
             cache: a :class:`GatedDeltaNetCache`. The layer starts from its entry
                 (:attr:`cache_key`) when there is one, else from zeros, and stores its states
                 after the call: N = B (or the number of packed sequences) sequences.
-                A call with T = 1 on a filled cache is a decode step.
+                A call with T = 1 on a filled cache is a decode step. Or a
+                :class:`~torch_gdr.nn.GatedDeltaNetPoolCache` (or one of its ``batch(...)``):
+                row (or packed sequence) i belongs to its i-th request, whose states are
+                read and updated in the cache's pools in place (inference only; no
+                attention_mask, no cp_context).
             cp_context: a :class:`torch_gdr.distributed.CPContext` (context parallelism):
                 hidden_states is this rank's slice ``[1, T_local, hidden]`` of a packed batch
                 split over the context's group; the conv gets the earlier ranks' last inputs
@@ -255,6 +260,12 @@ class GatedDeltaNet(nn.Module):
                              f"got {list(hidden_states.shape)}")
         if cu_seqlens is not None and batch != 1:
             raise ValueError(f"cu_seqlens: requires hidden_states of shape [1, T, hidden], got {list(hidden_states.shape)}")
+        if isinstance(cache, (GatedDeltaNetPoolCache, GatedDeltaNetPoolBatch)):
+            for name, value in (("attention_mask", attention_mask), ("cp_context", cp_context)):
+                if value is not None:
+                    raise ValueError(f"{name}: not supported with a GatedDeltaNetPoolCache (pack sequences of "
+                                     "different lengths with cu_seqlens instead), got one")
+            return cache._call_layer(self, hidden_states, cu_seqlens)
         mask = None
         if attention_mask is not None:
             if list(attention_mask.shape) != [batch, seq_len]:

@@ -208,7 +208,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Union[GatedDeltaNetCache, GatedDeltaNetPoolCache, GatedDeltaNetPoolBatch, None] = None, *, cp_context: Optional[Any] = None) -> torch.Tensor:
+                cache: Union[GatedDeltaNetCache, GatedDeltaNetPoolCache, GatedDeltaNetPoolBatch, None] = None, *,
+                cp_context: Optional[Any] = None) -> torch.Tensor:
         """Mix tokens.
 
         Args:

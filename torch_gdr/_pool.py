@@ -50,14 +50,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from torch_gdr._layout import L2NORM_EPS
 from torch_gdr._validate import INDEX_DTYPES, check_inputs, read_cu_seqlens
 
 Tensor = torch.Tensor
 
 #: The dtypes a pool may hold (computed in float32, rounded on store).
 POOL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-
-_L2NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -405,8 +404,8 @@ def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     scale = head_k_dim ** -0.5 if scale is None else float(scale)
     qf, kf, vf, gf, bf = (_flat_tokens(t, plan.token_major).to(compute) for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
-        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)
-        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)
+        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
     group = num_v_heads // q.shape[-2]
     if group > 1:
         qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)

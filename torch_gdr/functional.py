@@ -11,10 +11,9 @@ from torch_gdr._gating import apply_gating, check_gating
 from torch_gdr._layout import canonical_call
 from torch_gdr._pool import pool_chunk_prefill
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
-from torch_gdr.dispatch.registry import select
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
-from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_step
-from torch_gdr.ops._backend import CallSpec, OpArgs
+from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step
+from torch_gdr.ops._backend import OpArgs
 from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
 if TYPE_CHECKING:
@@ -355,8 +354,7 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"initial_state: expected the state pool tensor with ssm_state_indices, got "
                         f"{type(pool).__name__}")
-    selection = select(CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False), backend)
-    o = selection.backend.pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
-                                    cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                    state_v_first=state_v_first, validate=validate)
+    o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens=cu_seqlens,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+                      validate=validate, backend=backend)
     return o, pool

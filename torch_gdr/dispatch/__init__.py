@@ -12,7 +12,7 @@ from torch_gdr.dispatch import op as _op  # noqa: F401  (registers the public op
 from torch_gdr.dispatch.registry import (BACKEND_ENV_VAR, BACKENDS, DEVICE_ORDERS, Selection, default_backend,
                                          device_order, report, requested_backend, resolve_backend, select,
                                          smallest_chunk_size)
-from torch_gdr.dispatch.run import needs_grad, run_checkpoints, run_chunk, run_step
+from torch_gdr.dispatch.run import needs_grad, run_checkpoints, run_chunk, run_pool_step, run_step
 from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, OpArgs, Reason
 from torch_gdr.ops.pypto import cache_clear, cache_info
 
@@ -21,6 +21,6 @@ __all__ = [
     "CpuFallbackWarning", "DEVICE_ORDERS", "FallbackWarning", "FlaBackendError", "FlaFallbackWarning",
     "NoBackendError", "OpArgs", "PyptoBackendError", "PyptoFallbackWarning", "Reason", "STRICT_ENV_VAR", "Selection",
     "cache_clear", "cache_info", "default_backend", "device_order", "needs_grad", "npu_available", "report",
-    "requested_backend", "resolve_backend", "run_checkpoints", "run_chunk", "run_step", "select",
+    "requested_backend", "resolve_backend", "run_checkpoints", "run_chunk", "run_pool_step", "run_step", "select",
     "smallest_chunk_size",
 ]

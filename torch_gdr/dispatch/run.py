@@ -14,6 +14,7 @@ import torch
 
 from torch_gdr._fallback import BackendError, failure_reason, refuse_or_warn, strict_mode
 from torch_gdr._layout import GdrCall
+from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, select
 from torch_gdr.ops._backend import CallSpec, OpArgs
 
@@ -55,6 +56,18 @@ def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[
     the key-first final state (canonical layout)."""
     selection = select(CallSpec.of("step", call.q, call.v, call.chunk_size, grad), backend)
     return selection.backend.step(call)
+
+
+def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                  ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
+                  use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
+                  backend: Optional[str] = None) -> Tensor:
+    """The step over a state pool, in place, on the backend serving it (the arguments of
+    :func:`torch_gdr._pool.pool_recurrent_step`); returns ``o``."""
+    selection = select(CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False), backend)
+    return selection.backend.pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                       cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                       state_v_first=state_v_first, validate=validate)
 
 
 def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:

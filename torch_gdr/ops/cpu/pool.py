@@ -16,13 +16,9 @@ import torch
 
 from torch_gdr import _pool
 from torch_gdr.ops.cpu import _build
-from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES
+from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _as
 
 Tensor = torch.Tensor
-
-
-def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],

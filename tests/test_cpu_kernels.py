@@ -22,6 +22,7 @@ from tests.helpers import make_inputs as make_forward_inputs
 from tests.test_backward import CASES as BACKWARD_CASES
 from tests.test_backward import Case, make_inputs, reference_grads, rmse_ratio
 from tests.test_reference import CASES as FORWARD_CASES
+from torch_gdr._gating import Gating
 from torch_gdr._layout import canonical_call as _canonical_call
 from torch_gdr.ops.torch.chunk import chunk_gated_delta_rule_fwd
 from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
@@ -255,21 +256,26 @@ def test_recurrent_step_in_place_and_out() -> None:
         torch.testing.assert_close(out_s, expected_s, atol=1e-5, rtol=1e-5)
 
 
-def test_two_threads_give_the_same_bits(stages: int) -> None:
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_two_threads_give_the_same_bits(stages: int, gated: bool) -> None:
     """Two OpenMP threads give the bits of one, forward, backward and the recurrent step, over
     several runs: many work units per thread (sequences x heads, chunks), uneven lengths, so a
-    buffer shared between the threads (a data race) shows as changed bits."""
+    buffer shared between the threads (a data race) shows as changed bits. ``gated``: with
+    fla's activations in the kernels, whose ``dA_log``/``ddt_bias`` sum over every chunk."""
     x = _cast(make_forward_inputs(seqlens=[150, 3, 0, 90, 41, 64, 1, 17, 128, 5], num_qk_heads=2, num_v_heads=4,
                                   with_initial_state=True), torch.float32)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True, x["cu_seqlens"], 32)
     do = torch.randn_like(x["v"])
     threads = torch.get_num_threads()
+    gating = Gating(True, torch.tensor([0.1, -0.4, 1.0, 0.3]), torch.tensor([0.5, 0.0, -1.0, 2.0]), True, True)
+    extra = dict(gating=gating) if gated else {}
 
     def run():
-        o, s, states = cpu.chunk_fwd(*args, True)
-        grads = cpu.chunk_bwd(do, s, *args, states)
+        o, s, states = cpu.chunk_fwd(*args, True, **extra)
+        grads = cpu.chunk_bwd(do, s, *args, states, **extra)
         step = cpu.recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True,
-                                 x["cu_seqlens"])
+                                 x["cu_seqlens"], **extra)
+        assert len(grads) == (8 if gated else 6)
         return (o, s) + tuple(grads) + tuple(step)
 
     try:

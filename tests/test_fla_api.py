@@ -147,11 +147,16 @@ def _gradcheck_inputs(seqlens: Optional[list[int]]) -> tuple:
 
 
 @pytest.mark.parametrize("seqlens", [None, [3, 0, 4]], ids=["batched", "varlen"])
-@pytest.mark.parametrize("entry", ["chunk", "step"])
+@pytest.mark.parametrize("entry", ["chunk", "step", pytest.param("op", marks=pytest.mark.slow)])
 def test_gradcheck_float64_on_torch(entry: str, seqlens: Optional[list[int]]) -> None:
+    """fp64 gradcheck of every input through the chunked call, the step and the public op
+    (float64 runs ``"torch"``: its ops apply the activations and their chain rule)."""
     tensors, cu_seqlens = _gradcheck_inputs(seqlens)
 
     def call(q, k, v, a, beta_logits, A_log, dt_bias, h0):
+        if entry == "op":
+            return torch.ops.gdr.chunked_gated_delta_rule(q, k, v, a, beta_logits, None, h0, True, True, cu_seqlens,
+                                                          16, False, True, A_log, dt_bias, True, True)
         options = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
                        allow_neg_eigval=True, cu_seqlens=cu_seqlens, backend="torch")
@@ -287,3 +292,130 @@ def test_step_without_the_tensor_an_activation_needs_raises(missing: str, flag: 
     with pytest.raises(ValueError, match=f"^{missing}: .*required with {flag}"):
         torch_gdr.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
                                                    **{flag: True}, **extra)
+
+
+# --- the activation arguments of the ops themselves -----------------------------------------
+
+def _op_kwargs(leaves: dict) -> dict:
+    """The public op's arguments (its schema's names) of a case's inputs."""
+    names = ("use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+    return dict(q=leaves["q"], k=leaves["k"], v=leaves["v"], g=leaves["g"], beta=leaves["beta"],
+                initial_state=leaves.get("initial_state"), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=leaves.get("cu_seqlens"), chunk_size=16,
+                **{n: leaves[n] for n in names if n in leaves})
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("activation", ["gate_without_dt_bias", "all"])
+def test_public_op_activations_against_the_definition(backend: str, layout: str, activation: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.ops.gdr.chunked_gated_delta_rule`` with the activation arguments: forward and
+    every gradient (its backward op, ``A_log`` and ``dt_bias`` included) against the definition."""
+    x, exact = _raw_inputs(layout, activation)
+    reason = _serves(backend, "chunk", x, True)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    monkeypatch.setenv("TORCH_GDR_BACKEND", backend)
+    leaves, exact_leaves = _leaves(x), _leaves(exact)
+    o, s = torch.ops.gdr.chunked_gated_delta_rule(**_op_kwargs(leaves))
+    _check_against_definition(o, s, leaves, exact_leaves, grads=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["public", "cpu"])
+def test_opcheck_with_the_activation_arguments(op: str) -> None:
+    """torch.library's checks of the forward and backward ops given every activation argument
+    (the public op on float32 CPU tensors runs ``"cpu"``)."""
+    x, _ = _raw_inputs("varlen", "all")
+    reason = _serves("cpu", "chunk", x, True)
+    if reason is not None:
+        pytest.skip(f"cpu: {reason}")
+    leaves = _leaves(x)
+    args = tuple(leaves[n] for n in ("q", "k", "v", "g", "beta"))
+    options = (True, x["cu_seqlens"], 16, False)
+    gating = (True, leaves["A_log"], leaves["dt_bias"], True, True)
+    forward, backward = ((torch.ops.gdr.chunked_gated_delta_rule, torch.ops.gdr.chunked_gated_delta_rule_backward)
+                         if op == "public" else (torch.ops.gdr._cpu_fwd, torch.ops.gdr._cpu_bwd))
+    keep = () if op == "public" else (True, False)  # save_chunk_states, strict
+    torch.library.opcheck(forward.default, args + (None, leaves["initial_state"], True) + options + keep + gating)
+    with torch.no_grad():
+        outputs = forward(*args, None, leaves["initial_state"], True, *options, *keep, *gating)
+    states = outputs[2] if op == "cpu" else None
+    grad_o, dht = torch.randn_like(x["v"]), torch.randn_like(x["initial_state"])
+    plain = tuple(t.detach() for t in args)
+    torch.library.opcheck(backward.default, (grad_o, dht) + plain + (None, x["initial_state"]) + options
+                          + (states, False) + tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in gating))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "cpu"])
+def test_compile_fullgraph_with_the_activation_arguments(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public op with every activation argument under ``torch.compile(fullgraph=True)``:
+    the eager values and gradients (``A_log`` and ``dt_bias`` included)."""
+    x, _ = _raw_inputs("varlen", "all")
+    reason = _serves(backend, "chunk", x, True)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    monkeypatch.setenv("TORCH_GDR_BACKEND", backend)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+    def loss(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        o, s = torch.ops.gdr.chunked_gated_delta_rule(q, k, v, g, beta, None, initial_state, True, True,
+                                                      x["cu_seqlens"], 16, False, True, A_log, dt_bias, True, True)
+        return (o * o).sum() + s.sum()
+
+    def grads(fn):
+        leaves = [x[n].detach().clone().requires_grad_() for n in names]
+        value = fn(*leaves)
+        return value, torch.autograd.grad(value, leaves)
+
+    torch._dynamo.reset()
+    got, got_grads = grads(torch.compile(loss, fullgraph=True, backend="aot_eager"))
+    want, want_grads = grads(loss)
+    torch.testing.assert_close(got, want)
+    for name, g, w in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(g, w, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("activation", ["gate", "all"])
+def test_pool_step_activations_against_the_definition(backend: str, activation: str) -> None:
+    """The decode step over a state pool with a raw gate and beta logits (one token per
+    sequence, the first of each non-empty varlen sequence): the outputs and the rows written
+    are the definition's from each sequence's row."""
+    x, exact = _raw_inputs("varlen", activation)
+    if _serves(backend, "pool_step", x, False) is not None:
+        pytest.skip(f"{backend}: {_serves(backend, 'pool_step', x, False)}")
+    first = torch.tensor([0, 19])  # the varlen layout's sequences of 19 and 30 tokens start there
+    h0 = x["initial_state"][[0, 2]]
+    rows = torch.tensor([3, 1])
+    pool = torch.zeros(5, *h0.shape[1:])
+    pool[rows] = h0
+    names = ("use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+    options = {n: x[n] for n in names if n in x}
+    token = {n: x[n][0, first][:, None] for n in ("q", "k", "v", "g", "beta")}  # [N = 2, T = 1, ...]
+    with torch.no_grad():
+        o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+            token["q"], token["k"], token["v"], token["g"], beta=token["beta"], initial_state=pool,
+            ssm_state_indices=rows, use_qk_l2norm_in_kernel=True, backend=backend, **options)
+    hand = _by_hand({**{n: exact[n][0, first][:, None] for n in ("q", "k", "v", "g", "beta")},
+                     **{n: exact[n] for n in names if n in exact}})
+    ro, rs = naive_recurrent_gated_delta_rule(hand["q"], hand["k"], hand["v"], hand["g"], hand["beta"],
+                                              initial_state=exact["initial_state"][[0, 2]], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    assert rmse_ratio(ro, o) < FORWARD_BOUND
+    assert rmse_ratio(rs, pool[rows]) < FORWARD_BOUND
+
+
+#: the activation errors the op's schema can carry (it types bools and tensors itself)
+OP_BAD_ARGUMENTS = [case for case in BAD_ARGUMENTS
+                    if all(isinstance(t, (bool, torch.Tensor)) for t in case[0].values())
+                    and not any(n.startswith("cu_seqlens") for n in case[0])]
+
+
+@pytest.mark.parametrize("extra, error, match", OP_BAD_ARGUMENTS, ids=lambda p: p if isinstance(p, str) else None)
+def test_the_public_op_checks_the_activation_arguments(extra: dict, error: type, match: str) -> None:
+    x = make_inputs(seqlens=[5, 6], num_qk_heads=1, num_v_heads=2, seed=9)
+    with pytest.raises(error, match=match):
+        torch.ops.gdr.chunked_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x["cu_seqlens"],
+                                               **extra)

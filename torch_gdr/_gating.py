@@ -10,22 +10,52 @@ and the beta logits::
     beta = s * sigmoid(beta_logits)                  (use_beta_sigmoid_in_kernel; s = 2 with
                                                       allow_neg_eigval, else 1)
 
+The raw tensors travel through dispatch into the ops (their schemas carry the flags and
+``A_log``/``dt_bias``): the ``"cpu"`` kernels compute both activations inside, where they
+read g and beta, and their gradients inside the backward. This module holds the checks and
+the one pure-torch version every other backend uses: :func:`activate_call` before the
+backend's forward, :func:`gating_backward` (the chain rule, written out) after its
+backward, and the differentiable :func:`gdn_gate` / :func:`beta_sigmoid` for the steps in
+plain torch.
+
 As fla does, both are computed in float32 (float64 when an input is float64, so the float64
 definition stays exact), whatever the inputs' dtype, with torch's softplus (threshold 20,
-the threshold of fla's kernels). The results are float32 (float64) tensors the backends read
-as any g and beta.
+the threshold of fla's kernels; above it softplus(x) = x and its derivative is 1). The
+results are float32 (float64) tensors the backends read as any g and beta.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from torch_gdr._layout import GdrCall
+
 Tensor = torch.Tensor
 
+#: torch's (and fla's) softplus threshold: softplus(x) = x above it.
+SOFTPLUS_THRESHOLD = 20.0
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Gating(NamedTuple):
+    """fla's activation arguments of one call (checked by :func:`check_gating`)."""
+
+    use_gate_in_kernel: bool = False
+    A_log: Optional[Tensor] = None
+    dt_bias: Optional[Tensor] = None
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """g or beta are raw: an activation applies to one of them."""
+        return self.use_gate_in_kernel or self.use_beta_sigmoid_in_kernel
 
 
 def _check_flag(name: str, value: object) -> None:
@@ -112,3 +142,56 @@ def apply_gating(g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log: Op
     if use_beta_sigmoid_in_kernel:
         beta = beta_sigmoid(beta, allow_neg_eigval)
     return g, beta
+
+
+def activate_call(call: "GdrCall") -> "GdrCall":
+    """``call`` with its g and beta activated where its flags ask (:func:`apply_gating`) and
+    the flags cleared: the call a backend without in-kernel activations computes. Plain
+    differentiable torch; returns ``call`` itself when no flag is set."""
+    if not call.gated:
+        return call
+    g, beta = apply_gating(call.g, call.beta, use_gate_in_kernel=call.use_gate_in_kernel, A_log=call.A_log,
+                           dt_bias=call.dt_bias, use_beta_sigmoid_in_kernel=call.use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval=call.allow_neg_eigval)
+    return dataclasses.replace(call, g=g, beta=beta, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
+
+
+def gating_backward(call: "GdrCall", dg: Tensor, dbeta: Tensor
+                    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The chain rule through the activations of ``call`` (raw g and beta, canonical layout
+    ``[B, T, HV]``), from the gradients ``dg``, ``dbeta`` on the activated g and beta.
+
+    With ``x = a + dt_bias``, ``g = -exp(A_log) softplus(x)``::
+
+        da = dg * (-exp(A_log) * sigmoid(x))    (sigmoid(x) taken as 1 above the threshold)
+        dA_log[h] = sum over tokens of dg * g,  ddt_bias[h] = sum over tokens of da
+        dbeta_logits = dbeta * s * sigmoid(b) * (1 - sigmoid(b))
+
+    Returns ``(da, dbeta_logits, dA_log, ddt_bias)``: da and dbeta in the dtypes of the raw g
+    and beta (each as given where its flag is off), dA_log/ddt_bias ``[HV]`` in the dtypes of
+    ``A_log``/``dt_bias``, or None where absent.
+    """
+    d_a_log = d_dt_bias = None
+    if call.use_gate_in_kernel:
+        assert call.A_log is not None
+        dtype = gating_dtype(call.g, call.A_log, call.dt_bias)
+        x = call.g.to(dtype)
+        if call.dt_bias is not None:
+            x = x + call.dt_bias.to(dtype)
+        rate = call.A_log.to(dtype).exp()
+        slope = torch.where(x > SOFTPLUS_THRESHOLD, torch.ones_like(x), torch.sigmoid(x))
+        dg_ = dg.to(dtype)
+        gate = -rate * torch.nn.functional.softplus(x)
+        d_a = -dg_ * rate * slope
+        lead = tuple(range(d_a.dim() - 1))
+        d_a_log = (dg_ * gate).sum(lead).to(call.A_log.dtype)
+        if call.dt_bias is not None:
+            d_dt_bias = d_a.sum(lead).to(call.dt_bias.dtype)
+        dg = d_a.to(call.g.dtype)
+    if call.use_beta_sigmoid_in_kernel:
+        dtype = gating_dtype(call.beta)
+        sig = call.beta.to(dtype).sigmoid()
+        slope = sig * (1.0 - sig) * (2.0 if call.allow_neg_eigval else 1.0)
+        dbeta = (dbeta.to(dtype) * slope).to(call.beta.dtype)
+    return dg, dbeta, d_a_log, d_dt_bias

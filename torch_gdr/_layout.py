@@ -50,6 +50,12 @@ class GdrCall:
         chunk_size: tokens per chunk of the chunked algorithm.
         token_major: the caller passed ``[T, ...]`` tensors (no batch dim).
         state_v_first: the caller's states are value-first.
+        use_gate_in_kernel: g holds the raw gate ``a``; the decay is
+            ``-exp(A_log) * softplus(a + dt_bias)`` (:mod:`torch_gdr._gating`).
+        A_log, dt_bias: ``[HV]`` float, with ``use_gate_in_kernel`` (dt_bias may be None).
+        use_beta_sigmoid_in_kernel: beta holds logits; the op uses ``s * sigmoid(beta)``,
+            ``s = 2`` with ``allow_neg_eigval``, else 1.
+        allow_neg_eigval: see above.
     """
 
     q: Tensor
@@ -65,6 +71,16 @@ class GdrCall:
     chunk_size: int
     token_major: bool = False
     state_v_first: bool = False
+    use_gate_in_kernel: bool = False
+    A_log: Optional[Tensor] = None
+    dt_bias: Optional[Tensor] = None
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """g or beta are raw: an activation is to be applied to one of them."""
+        return self.use_gate_in_kernel or self.use_beta_sigmoid_in_kernel
 
     @property
     def num_seqs(self) -> int:
@@ -109,9 +125,11 @@ class GdrCall:
         return x.unsqueeze(0) if self.token_major else x
 
     def public_grads(self, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor,
-                     d_initial_state: Optional[Tensor]) -> tuple[Tensor, ...]:
-        """Gradients from the canonical layout into the layouts of their inputs; an absent
-        ``d_initial_state`` becomes an empty tensor (an op cannot return None)."""
+                     d_initial_state: Optional[Tensor], d_A_log: Optional[Tensor] = None,
+                     d_dt_bias: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+        """Gradients from the canonical layout into the layouts of their inputs, ``(dq, dk,
+        dv, dg, dbeta, d_initial_state, dA_log, ddt_bias)``; an absent one (no initial
+        state, no ``A_log``, no ``dt_bias``) becomes an empty tensor (an op cannot return None)."""
         grads = [dq, dk, dv, dg, dbeta]
         if self.token_major:
             grads = [t.squeeze(0) for t in grads]
@@ -119,7 +137,8 @@ class GdrCall:
             d_initial = dq.new_empty(0)
         else:
             d_initial = self.public_state(d_initial_state).contiguous()
-        return tuple(t.contiguous() for t in grads) + (d_initial,)
+        heads = tuple(dq.new_empty(0) if d is None else d.contiguous() for d in (d_A_log, d_dt_bias))
+        return tuple(t.contiguous() for t in grads) + (d_initial,) + heads
 
 
 def _shares_storage(a: Tensor, b: Tensor) -> bool:
@@ -128,9 +147,12 @@ def _shares_storage(a: Tensor, b: Tensor) -> bool:
 
 def canonical_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                    initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor],
-                   chunk_size: int, state_v_first: bool) -> GdrCall:
+                   chunk_size: int, state_v_first: bool, use_gate_in_kernel: bool = False,
+                   A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                   use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False) -> GdrCall:
     """The :class:`GdrCall` of an op's arguments (already checked by
-    :func:`torch_gdr._validate.check_inputs`). Reads ``cu_seqlens`` once, checking its values."""
+    :func:`torch_gdr._validate.check_inputs` and :func:`torch_gdr._gating.check_gating`).
+    Reads ``cu_seqlens`` once, checking its values."""
     token_major = q.dim() == 3
     if token_major:
         q, k, v, g, beta = (t.unsqueeze(0) for t in (q, k, v, g, beta))
@@ -142,4 +164,5 @@ def canonical_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
         initial_state = initial_state.transpose(-1, -2)
     return GdrCall(q, k, v, g, beta, initial_state, cu_seqlens, offsets,
                    default_scale(q.shape[-1]) if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
-                   int(chunk_size), token_major, bool(state_v_first))
+                   int(chunk_size), token_major, bool(state_v_first), bool(use_gate_in_kernel), A_log, dt_bias,
+                   bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval))

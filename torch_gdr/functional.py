@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from torch_gdr._gating import apply_gating, check_gating
+from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._layout import canonical_call
 from torch_gdr._pool import pool_chunk_prefill
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
@@ -94,7 +94,8 @@ def chunk_gated_delta_rule(
         use_gate_in_kernel: ``g`` is the raw gate ``a`` and the decay is
             ``-exp(A_log) * softplus(a + dt_bias)``, computed in float32 (softplus threshold
             20) with gradients for ``a``, ``A_log`` and ``dt_bias`` (fla's name and meaning;
-            see :mod:`torch_gdr._gating`).
+            see :mod:`torch_gdr._gating`): inside the ``"cpu"`` kernels, in torch around
+            the other backends'.
         A_log: ``[HV]`` float, the log decay rates; required with ``use_gate_in_kernel``, and
             refused without it.
         dt_bias: ``[HV]`` float added to ``a`` before the softplus, or None; only with
@@ -178,8 +179,12 @@ def chunk_gated_delta_rule(
     check_gating(v.shape[-2], q.device, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q.device)
-    g, beta = apply_gating(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    gating = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    if cp_context is not None or pooled:
+        # context parallelism and pool prefill compose chunked calls of their own: they get
+        # the activated g and beta (differentiable torch, torch_gdr._gating)
+        g, beta = apply_gating(g, beta, **gating)
     if cp_context is not None:
         if checkpoint_every is not None:
             raise ValueError(f"checkpoint_every: not available with cp_context (each rank holds a slice of the "
@@ -200,13 +205,15 @@ def chunk_gated_delta_rule(
         return _pool_prefill(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                              chunk_size, state_v_first, backend, initial_state_indices, final_state_indices,
                              checkpoint_offsets, checkpoint_indices, validate)
-    grad = _needs_grad(q, k, v, g, beta, initial_state)
+    grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if checkpoint_every is not None and grad:
         raise ValueError("checkpoint_every: checkpoints are for inference; call under torch.no_grad() (an input "
                          "requires grad)")
     scale = None if scale is None else float(scale)
+    # raw g and beta with the activation arguments: the op applies them (in its kernels where
+    # the backend has them)
     args = OpArgs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                  chunk_size, state_v_first)
+                  chunk_size, state_v_first, **gating)
     if checkpoint_every is not None:
         check_checkpoint_every(checkpoint_every, chunk_size)
         o, final_state, checkpoints, offsets = run_checkpoints(args, checkpoint_every, backend)
@@ -330,15 +337,16 @@ def fused_recurrent_gated_delta_rule(
     check_gating(v.shape[-2], q.device, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, None, CHUNK_SIZES[0], q.device)
-    g, beta = apply_gating(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    gating = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                          validate)
-    grad = _needs_grad(q, k, v, g, beta, initial_state)
+                          validate, gating)
+    grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    # raw g and beta: the step applies the activations (in its kernel where it has them)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                          CHUNK_SIZES[0], state_v_first)
+                          CHUNK_SIZES[0], state_v_first, **gating)
     o, final_state = run_step(call, grad, backend)
     # every backend's step returns a new final state (an op's output, or the pure-torch step's own)
     o, final_state = call.public_outputs(o, final_state, may_alias=False)
@@ -346,7 +354,7 @@ def fused_recurrent_gated_delta_rule(
 
 
 def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
-               ssm_state_indices, num_accepted_tokens, inplace_final_state, validate):
+               ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating):
     """The step over a state pool, in place, on the backend serving it."""
     if inplace_final_state is not True:
         raise ValueError(f"inplace_final_state: only True (states written into the pool's rows) is supported, "
@@ -356,5 +364,5 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                         f"{type(pool).__name__}")
     o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
-                      validate=validate, backend=backend)
+                      validate=validate, backend=backend, gating=Gating(**gating))
     return o, pool

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from torch_gdr._fallback import BackendError, failure_reason, refuse_or_warn, strict_mode
+from torch_gdr._gating import Gating, activate_call, apply_gating
 from torch_gdr._layout import GdrCall
 from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, select
@@ -34,10 +35,10 @@ def run_chunk(args: OpArgs, grad: bool, backend: Optional[str] = None) -> tuple[
     chosen = selection.backend
     strict = selection.named or strict_mode()
     if not chosen.may_fail:
-        o, final_state, _ = chosen.forward_op(*args, grad and chosen.keeps_chunk_states, strict)
+        o, final_state, _ = chosen.forward_op(*args.forward_args(grad and chosen.keeps_chunk_states, strict))
         return o, final_state
     try:
-        o, final_state, _ = chosen.forward_op(*args, grad and chosen.keeps_chunk_states, strict)
+        o, final_state, _ = chosen.forward_op(*args.forward_args(grad and chosen.keeps_chunk_states, strict))
         return o, final_state
     except BackendError:
         raise
@@ -47,7 +48,7 @@ def run_chunk(args: OpArgs, grad: bool, backend: Optional[str] = None) -> tuple[
             raise chosen.error(f"backend {chosen.name!r} cannot serve this call: {reason}") from error
     refuse_or_warn(chosen.name, reason, named=False, instead=f"the {UNIVERSAL_BACKEND!r} backend", stacklevel=4)
     fallback = BACKENDS[UNIVERSAL_BACKEND]
-    o, final_state, _ = fallback.forward_op(*args, grad and fallback.keeps_chunk_states, False)
+    o, final_state, _ = fallback.forward_op(*args.forward_args(grad and fallback.keeps_chunk_states, False))
     return o, final_state
 
 
@@ -55,26 +56,40 @@ def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[
     """The token-by-token call on a checked call in the canonical layout; returns ``o`` and
     the key-first final state (canonical layout)."""
     selection = select(CallSpec.of("step", call.q, call.v, call.chunk_size, grad), backend)
+    if not selection.backend.in_kernel_gating:
+        call = activate_call(call)  # differentiable torch
     return selection.backend.step(call)
 
 
 def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
-                  backend: Optional[str] = None) -> Tensor:
+                  backend: Optional[str] = None, gating: Optional[Gating] = None) -> Tensor:
     """The step over a state pool, in place, on the backend serving it (the arguments of
-    :func:`torch_gdr._pool.pool_recurrent_step`); returns ``o``."""
+    :func:`torch_gdr._pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
+    arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None."""
     selection = select(CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False), backend)
+    extra = {}
+    if gating is not None and gating.gated:
+        if selection.backend.in_kernel_gating:
+            extra["gating"] = gating
+        else:
+            g, beta = apply_gating(g, beta, use_gate_in_kernel=gating.use_gate_in_kernel, A_log=gating.A_log,
+                                   dt_bias=gating.dt_bias, use_beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
+                                   allow_neg_eigval=gating.allow_neg_eigval)
     return selection.backend.pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                       state_v_first=state_v_first, validate=validate)
+                                       state_v_first=state_v_first, validate=validate, **extra)
 
 
 def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:
     """The chunked call with checkpoints every ``checkpoint_every`` tokens (inference);
     returns ``(o, final_state, checkpoints, checkpoint_offsets)``."""
     selection = select(CallSpec.of("checkpoints", args.q, args.v, args.chunk_size, False), backend)
+    g, beta = apply_gating(args.g, args.beta, use_gate_in_kernel=args.use_gate_in_kernel, A_log=args.A_log,
+                           dt_bias=args.dt_bias, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval=args.allow_neg_eigval)
     return selection.backend.checkpoints(
-        args.q, args.k, args.v, args.g, args.beta, checkpoint_every, args.scale, args.initial_state,
+        args.q, args.k, args.v, g, beta, checkpoint_every, args.scale, args.initial_state,
         use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, cu_seqlens=args.cu_seqlens,
         chunk_size=args.chunk_size, state_v_first=args.state_v_first)

@@ -57,7 +57,9 @@ class Reason(str):
 
 
 class OpArgs(NamedTuple):
-    """The twelve arguments of the public op (and of every backend's forward op), by name."""
+    """The arguments of the public op by name: the twelve a backend's forward op takes before
+    ``save_chunk_states`` and ``strict``, then fla's activation arguments (after them in
+    the forward op, :meth:`forward_args`)."""
 
     q: Tensor
     k: Tensor
@@ -71,6 +73,15 @@ class OpArgs(NamedTuple):
     cu_seqlens: Optional[Tensor]
     chunk_size: int
     state_v_first: bool
+    use_gate_in_kernel: bool = False
+    A_log: Optional[Tensor] = None
+    dt_bias: Optional[Tensor] = None
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+
+    def forward_args(self, save_chunk_states: bool, strict: bool) -> tuple:
+        """The positional arguments of a backend's forward op for this call."""
+        return (*self[:12], save_chunk_states, strict, *self[12:])
 
 
 class CallSpec(NamedTuple):
@@ -159,6 +170,12 @@ class Backend:
         description: one line for ``python -m torch_gdr`` and error messages.
         extra_reasons: ``extra_reasons(call) -> list[Reason]``, the backend's own checks beyond
             its capabilities (an extension not built, pypto not installed...).
+        in_kernel_gating: its ``step`` and ``pool_step`` take raw g and beta with fla's
+            activation arguments (``pool_step`` as the keyword ``gating``, a
+            :class:`~torch_gdr._layout.GdrCall`'s fields) and apply them in its kernels;
+            for every other backend dispatch activates g and beta before them
+            (:mod:`torch_gdr._gating`). The chunked ops say it themselves
+            (:mod:`torch_gdr.ops._define`).
     """
 
     name: str
@@ -175,6 +192,7 @@ class Backend:
     warning: type[FallbackWarning] = FallbackWarning
     description: str = ""
     extra_reasons: Optional[Callable[[CallSpec], list[Reason]]] = field(default=None, repr=False)
+    in_kernel_gating: bool = False
 
     def unsupported_reasons(self, call: CallSpec, needs_grad: Optional[bool] = None) -> list[Reason]:
         """Every reason this backend cannot serve ``call``; empty when it can.

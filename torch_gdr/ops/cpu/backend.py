@@ -4,7 +4,8 @@ It takes float32, float16 and bfloat16 inputs with q, k and v of one dtype (comp
 float32); float64 calls, the reference's dtype, go to ``"torch"`` without a word. Where the
 extension cannot be built or loaded (no compiler, a failed build, sources missing) every
 call names that reason: a default call warns once and runs ``"torch"``, strict mode and a
-named ``"cpu"`` raise.
+named ``"cpu"`` raise. fla's gate and beta activations, and their gradients, are computed
+inside its kernels (chunked forward and backward, step, pool step).
 """
 
 from __future__ import annotations
@@ -45,4 +46,5 @@ BACKEND = Backend(
     warning=CpuFallbackWarning,
     description="the fused C++/OpenMP kernels on CPU tensors",
     extra_reasons=_missing,
+    in_kernel_gating=True,
 )

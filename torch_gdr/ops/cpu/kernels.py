@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from torch_gdr._gating import Gating
 from torch_gdr._layout import default_scale
 from torch_gdr.ops.cpu import _build
 
@@ -69,6 +70,19 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlen
     return q, k, v, g, beta, cu
 
 
+def _gating_args(gating: Optional[Gating]) -> tuple:
+    """The four trailing arguments of every kernel: ``A_log``, ``dt_bias`` (float32 ``[HV]`` or
+    None), the beta sigmoid flag and its scale."""
+    if gating is None or not gating.gated:
+        return None, None, False, 1.0
+    a_log = dt_bias = None
+    if gating.use_gate_in_kernel:
+        a_log = _as(gating.A_log, torch.float32)
+        dt_bias = None if gating.dt_bias is None else _as(gating.dt_bias, torch.float32)
+    return (a_log, dt_bias, bool(gating.use_beta_sigmoid_in_kernel),
+            2.0 if gating.use_beta_sigmoid_in_kernel and gating.allow_neg_eigval else 1.0)
+
+
 def _state(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else _as(x, torch.float32)
 
@@ -92,7 +106,7 @@ def forward_chunk_size(chunk_size: int, save_states: bool) -> int:
 
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor], chunk_size: int,
-              save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+              save_states: bool, gating: Optional[Gating] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The chunked forward; the kernels run it at :func:`forward_chunk_size`.
 
     Returns:
@@ -105,14 +119,14 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
                                            bool(use_qk_l2norm), cu, forward_chunk_size(chunk_size, save_states),
-                                           bool(save_states), True, STAGES)
+                                           bool(save_states), True, STAGES, *_gating_args(gating))
     return o, final_state, (states if save_states else None)
 
 
 def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
               g: Tensor, beta: Tensor, scale: Optional[float], initial_state: Optional[Tensor], use_qk_l2norm: bool,
-              cu_seqlens: Optional[Tensor], chunk_size: int, chunk_states: Optional[Tensor]
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+              cu_seqlens: Optional[Tensor], chunk_size: int, chunk_states: Optional[Tensor],
+              gating: Optional[Gating] = None) -> tuple[Optional[Tensor], ...]:
     """Gradients of :func:`chunk_fwd` for the loss with gradients ``grad_o`` on o (None:
     zeros) and ``grad_final_state`` on the final state (None: zeros).
 
@@ -121,9 +135,11 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the shapes and dtypes of their
-        inputs; ``d_initial_state`` is None when ``initial_state`` is None.
+        inputs; ``d_initial_state`` is None when ``initial_state`` is None. With ``gating``
+        (a flag set) also ``dA_log, ddt_bias``, each None where its input is None.
     """
     ext = _extension()
+    gating_args = _gating_args(gating)
     if grad_o is None:
         grad_o = torch.zeros_like(v)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -131,7 +147,7 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     scale_ = _scale(scale, q)
     if chunk_states is None:
         _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
-                                           cu, int(chunk_size), True, False, STAGES)
+                                           cu, int(chunk_size), True, False, STAGES, *gating_args)
     else:
         expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
         if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:
@@ -139,15 +155,18 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
                              f"{chunk_states.dtype} of shape {list(chunk_states.shape)}")
     grads = ext.chunk_bwd(grad_o.to(v.dtype).contiguous(), _state(grad_final_state), q_, k_, v_, g_, beta_, scale_,
                           initial_state is not None, bool(use_qk_l2norm), cu, int(chunk_size),
-                          chunk_states.contiguous(), STAGES)
+                          chunk_states.contiguous(), STAGES, *gating_args)
     out = [t.to(dtype) for t, dtype in zip(grads[:5], dtypes)]
     d_initial = grads[5].to(initial_state.dtype) if initial_state is not None else None
-    return (*out, d_initial)
+    if gating is None or not gating.gated:
+        return (*out, d_initial)
+    heads = [None if param is None else d.to(param.dtype) for d, param in zip(grads[6:8], (gating.A_log, gating.dt_bias))]
+    return (*out, d_initial, *heads)
 
 
 def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                   initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor],
-                  out_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                  out_state: Optional[Tensor] = None, gating: Optional[Gating] = None) -> tuple[Tensor, Tensor]:
     """The per-token recurrence, fused (decode and short T).
 
     ``out_state``: a float32 contiguous ``[N, HV, K, V]`` tensor to write the final state
@@ -163,4 +182,5 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
         raise ValueError(f"out_state: expected a contiguous float32 tensor, got {out_state.dtype} "
                          f"(contiguous: {out_state.is_contiguous()})")
     initial = initial_state if initial_state is out_state else _state(initial_state)
-    return tuple(ext.recurrent_fwd(q, k, v, g, beta, _scale(scale, q), initial, bool(use_qk_l2norm), cu, out_state))
+    return tuple(ext.recurrent_fwd(q, k, v, g, beta, _scale(scale, q), initial, bool(use_qk_l2norm), cu, out_state,
+                                   *_gating_args(gating)))

@@ -9,6 +9,10 @@ picks the backend there (:mod:`.backend`).
   the state entering every chunk, ``[total_chunks, HV, K, V]`` float32) and its backward
   from those states;
 - ``gdr::_cpu_step``: the token-by-token recurrence (decode), inference only.
+
+All three take fla's activation arguments and apply them in the kernels (raw gate, beta
+logits: :mod:`torch_gdr._gating`); the backward returns the raw inputs' gradients and those
+of ``A_log`` and ``dt_bias``, summed in the kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from torch_gdr._gating import Gating
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op, define_step_op
 from torch_gdr.ops.cpu import kernels
@@ -32,13 +37,19 @@ def _forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Op
 
 def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     return kernels.chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states)
+                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states, _gating(call))
+
+
+def _gating(call: GdrCall) -> Gating:
+    return Gating(call.use_gate_in_kernel, call.A_log, call.dt_bias, call.use_beta_sigmoid_in_kernel,
+                  call.allow_neg_eigval)
 
 
 def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor], chunk_states: Optional[Tensor],
               strict: bool) -> tuple[Optional[Tensor], ...]:
     return kernels.chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, call.scale,
-                             call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, chunk_states)
+                             call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, chunk_states,
+                             _gating(call))
 
 
 def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
@@ -52,14 +63,17 @@ def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size
     return [chunks, v.shape[-2], q.shape[-1], v.shape[-1]]
 
 
-cpu_bwd = define_backward_op("gdr::_cpu_bwd", _backward)
-cpu_fwd = define_backend("cpu", _forward, cpu_bwd, _states_shape)
+cpu_bwd = define_backward_op("gdr::_cpu_bwd", _backward, in_kernel_gating=True)
+cpu_fwd = define_backend("cpu", _forward, cpu_bwd, _states_shape, in_kernel_gating=True)
 
 
 def _step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
-          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool = False,
+          A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+          allow_neg_eigval: bool = False) -> tuple[Tensor, Tensor]:
+    gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     o, final_state = kernels.recurrent_fwd(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-                                           cu_seqlens)
+                                           cu_seqlens, gating=gating)
     if initial_state is not None and final_state.data_ptr() == initial_state.data_ptr():
         final_state = final_state.clone()  # an op's output may not alias its input
     return o, final_state
@@ -71,4 +85,4 @@ cpu_step_op = define_step_op("gdr::_cpu_step", _step)
 def cpu_step(call: GdrCall) -> tuple[Tensor, Tensor]:
     """The step entry on a checked call in the canonical layout."""
     return cpu_step_op(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                       call.use_qk_l2norm, call.cu_seqlens)
+                       call.use_qk_l2norm, call.cu_seqlens, *_gating(call))

@@ -16,7 +16,8 @@ import torch
 
 from torch_gdr import _pool
 from torch_gdr.ops.cpu import _build
-from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _as
+from torch_gdr._gating import Gating
+from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _as, _gating_args
 
 Tensor = torch.Tensor
 
@@ -24,7 +25,7 @@ Tensor = torch.Tensor
 def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                        pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                        cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-                       state_v_first: bool = False, validate: bool = True) -> Tensor:
+                       state_v_first: bool = False, validate: bool = True, gating: Optional[Gating] = None) -> Tensor:
     """The decode step over a pool on CPU tensors, in place; q, k and v of one dtype.
 
     Args:
@@ -40,6 +41,8 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         num_accepted_tokens: ``[N]`` int32/int64 in ``1..S``, or None.
         cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
         validate: unused (CPU indices are always checked: the kernel reads by them).
+        gating: fla's activations (:class:`torch_gdr._gating.Gating`, checked), applied in
+            the kernel to the raw g and beta, or None.
 
     Returns:
         ``o`` in the shape and dtype of v.
@@ -60,5 +63,5 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, plan.indices.contiguous(), plan.read_pos,
-                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first))
+                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating))
     return o.reshape(v.shape)

@@ -8,7 +8,10 @@ would not. Its size follows the shapes only, never the data. A refusal of fla's 
 that shows only when it runs (:class:`FlaRefusal`) falls back to the pure-torch backward
 on the same device, with one warning per reason (an error where the backend was named or
 with ``TORCH_GDR_STRICT=1``); dispatch predicts the refusals it can before the forward runs.
-``gdr::_fla_step`` runs fla's fused-recurrent kernel (inference only).
+``gdr::_fla_step`` runs fla's fused-recurrent kernel (inference only). fla's gate and beta
+activations reach fla's internal kernels already applied: the ops apply them in torch
+before them and the chain rule after (:mod:`torch_gdr._gating`, through
+:mod:`torch_gdr.ops._define`).
 """
 
 from __future__ import annotations
@@ -83,7 +86,14 @@ fla_fwd = define_backend("fla", _forward, fla_bwd, _packed_numel)
 
 
 def _step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
-          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+          use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool = False,
+          A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+          allow_neg_eigval: bool = False) -> tuple[Tensor, Tensor]:
+    """fla's fused-recurrent step; dispatch hands it activated g and beta (the activation
+    arguments of the schema are then off: this backend's step has no in-kernel gating)."""
+    if use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+        raise ValueError("gdr::_fla_step: expects activated g and beta (use_gate_in_kernel and "
+                         "use_beta_sigmoid_in_kernel False); dispatch activates them (torch_gdr._gating)")
     return fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens)
 
 

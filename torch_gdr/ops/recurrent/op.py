@@ -1,5 +1,7 @@
 """``gdr::_recurrent_fwd`` / ``gdr::_recurrent_bwd``: the per-token recurrence (the
-definition, :mod:`torch_gdr.ref.naive`) and its reverse recurrence, as a backend's ops."""
+definition, :mod:`torch_gdr.ref.naive`) and its reverse recurrence, as a backend's ops;
+fla's gate and beta activations applied in torch before them and their chain rule after
+(:mod:`torch_gdr._gating`, through :mod:`torch_gdr.ops._define`)."""
 
 from __future__ import annotations
 

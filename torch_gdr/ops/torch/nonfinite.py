@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from torch_gdr._gating import activate_call
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops.torch.utils import repeat_kv_heads
 
@@ -94,6 +95,7 @@ def contained(forward: Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[
     its non-finite inputs kept where the recurrence keeps them (the module doc)."""
     o, final_state, states = forward(call, save_states)
     if not outputs_finite(o, final_state):
+        call = activate_call(call)  # a gated call (raw g or beta): judged on the activated values
         bad = find_nonfinite(call)
         if bad is not None:
             o, final_state, states = forward(sanitised(call, bad), save_states)

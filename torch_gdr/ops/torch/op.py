@@ -5,6 +5,9 @@
 ``gdr::_torch_bwd`` then reads instead of recomputing (what the public call does in
 training, eager or compiled). Their number follows the chunks of the call: for
 ``cu_seqlens`` calls that depends on its values, so the fake gives a data-dependent size.
+fla's gate and beta activations: the forward op applies them in torch and the backward op
+their chain rule (:mod:`torch_gdr._gating`, through :mod:`torch_gdr.ops._define`); the step
+gets the activated values as differentiable torch (:func:`torch_gdr.dispatch.run.run_step`).
 """
 
 from __future__ import annotations

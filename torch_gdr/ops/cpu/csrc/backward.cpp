@@ -47,10 +47,32 @@ void l2norm_backward(float* dy, const float* y, const float* rnorm, int64_t rows
   }
 }
 
+// The gradients of one token's raw gate and beta logits (p.gating, gdr_cpu.h) from those of
+// the g and beta the kernels used (dg, dbeta), at value head h; adds the token's terms of
+// dA_log and ddt_bias to `sums` ([2] double: sum dg * g, sum da).
+inline void gating_chain(const Problem& p, float raw_g, float raw_beta, int64_t h, float& dg, float& dbeta,
+                         double* sums) {
+  const Gating& a = p.gating;
+  if (a.A_log) {
+    const float x = a.dt_bias ? raw_g + a.dt_bias[h] : raw_g;
+    const float rate = std::exp(a.A_log[h]);
+    const float slope = x > 20.0f ? 1.0f : 1.0f / (1.0f + std::exp(-x));  // softplus'(x)
+    const float gate = -rate * softplus(x);
+    const float da = -dg * rate * slope;
+    sums[0] += static_cast<double>(dg) * gate;
+    sums[1] += da;
+    dg = da;
+  }
+  if (a.beta_sigmoid) {
+    const float sig = 1.0f / (1.0f + std::exp(-raw_beta));
+    dbeta = dbeta * a.beta_scale * sig * (1.0f - sig);
+  }
+}
+
 template <typename T>
 void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, const T* q, const T* k, const T* v,
                     const float* g, const float* beta, const float* chunk_states, T* dq, T* dk, T* dv, float* dg,
-                    float* dbeta, float* d_initial) {
+                    float* dbeta, float* d_initial, float* d_A_log, float* d_dt_bias) {
   const int64_t C = p.C, K = p.K, V = p.V, H = p.H, HV = p.HV, N = p.num_seqs(), group = p.group();
   const int64_t state_size = K * V;
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
@@ -64,6 +86,23 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
     std::memcpy(carry, grad_final, sizeof(float) * N * HV * state_size);
   else
     std::memset(carry, 0, sizeof(float) * N * HV * state_size);
+
+  // dA_log and ddt_bias: per (chunk, value head) sums, each written by the one thread that
+  // computes that chunk's gradients, added up in a fixed order at the end (deterministic).
+  const bool gated = p.gating.A_log || p.gating.beta_sigmoid;
+  std::vector<double> head_sums(p.gating.A_log ? static_cast<size_t>(chunk_off[N] * HV * 2) : 0, 0.0);
+  auto reduce_head_sums = [&]() {
+    if (!p.gating.A_log) return;
+    for (int64_t h = 0; h < HV; ++h) {
+      double a_log = 0.0, bias = 0.0;
+      for (int64_t c = 0; c < chunk_off[N]; ++c) {
+        a_log += head_sums[(c * HV + h) * 2];
+        bias += head_sums[(c * HV + h) * 2 + 1];
+      }
+      if (d_A_log) d_A_log[h] = static_cast<float>(a_log);
+      if (d_dt_bias) d_dt_bias[h] = static_cast<float>(bias);
+    }
+  };
 
   const int64_t item_floats = BackwardItem::floats(C, K, V);
   auto state_at = [&](int64_t n, int64_t c, int64_t h) {
@@ -239,10 +278,14 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
           dgamma[r] += run;
           run += tr_row[r];
         }
+        double* sums = p.gating.A_log ? head_sums.data() + ((chunk_off[n] + c) * HV + h) * 2 : nullptr;
+        if (sums) sums[0] = sums[1] = 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t idx = (t0 + r) * HV + h;
-          dg[idx] = dgamma[r];
-          dbeta[idx] = dbeta_r[r];
+          float dgr = dgamma[r], dbr = dbeta_r[r];
+          if (gated) gating_chain(p, g[idx], beta[idx], h, dgr, dbr, sums);
+          dg[idx] = dgr;
+          dbeta[idx] = dbr;
           float* dvr = dvb + r * V;
           const float br = t.beta[r];
 #pragma omp simd
@@ -282,6 +325,7 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
       }
       stream_fence();
     });
+    reduce_head_sums();
     return;
   }
   const auto segments = make_segments(p, item_floats * sizeof(float), kBackwardBudget);
@@ -309,30 +353,32 @@ void backward_typed(const Problem& p, const T* grad_o, const float* grad_final, 
       stream_fence();
     });
   }
+  reduce_head_sums();
 }
 
 }  // namespace
 
 void chunk_bwd(const Problem& p, const void* grad_o, const float* grad_final, const void* q, const void* k,
                const void* v, const float* g, const float* beta, const float* chunk_states, void* dq, void* dk,
-               void* dv, float* dg, float* dbeta, float* d_initial) {
+               void* dv, float* dg, float* dbeta, float* d_initial, float* d_A_log, float* d_dt_bias) {
   switch (p.dtype) {
     case DType::Float:
       return backward_typed(p, static_cast<const float*>(grad_o), grad_final, static_cast<const float*>(q),
                             static_cast<const float*>(k), static_cast<const float*>(v), g, beta, chunk_states,
                             static_cast<float*>(dq), static_cast<float*>(dk), static_cast<float*>(dv), dg, dbeta,
-                            d_initial);
+                            d_initial, d_A_log, d_dt_bias);
     case DType::Half:
       return backward_typed(p, static_cast<const c10::Half*>(grad_o), grad_final, static_cast<const c10::Half*>(q),
                             static_cast<const c10::Half*>(k), static_cast<const c10::Half*>(v), g, beta,
                             chunk_states, static_cast<c10::Half*>(dq), static_cast<c10::Half*>(dk),
-                            static_cast<c10::Half*>(dv), dg, dbeta, d_initial);
+                            static_cast<c10::Half*>(dv), dg, dbeta, d_initial, d_A_log, d_dt_bias);
     case DType::BFloat16:
       return backward_typed(p, static_cast<const c10::BFloat16*>(grad_o), grad_final,
                             static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
                             static_cast<const c10::BFloat16*>(v), g, beta, chunk_states,
                             static_cast<c10::BFloat16*>(dq), static_cast<c10::BFloat16*>(dk),
-                            static_cast<c10::BFloat16*>(dv), dg, dbeta, d_initial);
+                            static_cast<c10::BFloat16*>(dv), dg, dbeta, d_initial, d_A_log,
+                            d_dt_bias);
   }
 }
 

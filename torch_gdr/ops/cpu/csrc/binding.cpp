@@ -74,6 +74,25 @@ Tensor advise_huge(Tensor t) {
   return t;
 }
 
+// fla's activation arguments (gdr_cpu.h: Gating): A_log, dt_bias float32 [HV] or None
+// (A_log given: g is the raw gate); beta_sigmoid with its scale (2 with allow_neg_eigval).
+void set_gating(gdr::Problem& p, const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
+                double beta_scale) {
+  const bool has_a_log = A_log.has_value() && A_log->defined();
+  const bool has_bias = dt_bias.has_value() && dt_bias->defined();
+  TORCH_CHECK(has_a_log || !has_bias, "dt_bias: only with A_log (use_gate_in_kernel)");
+  if (has_a_log) {
+    check(*A_log, "A_log", at::kFloat, p.HV);
+    p.gating.A_log = A_log->data_ptr<float>();
+  }
+  if (has_bias) {
+    check(*dt_bias, "dt_bias", at::kFloat, p.HV);
+    p.gating.dt_bias = dt_bias->data_ptr<float>();
+  }
+  p.gating.beta_sigmoid = beta_sigmoid;
+  p.gating.beta_scale = static_cast<float>(beta_scale);
+}
+
 int64_t total_chunks(const gdr::Problem& p) {
   int64_t total = 0;
   for (int64_t n = 0; n < p.num_seqs(); ++n) total += p.num_chunks(n);
@@ -100,9 +119,11 @@ const float* optional_state(const optional<Tensor>& t, const gdr::Problem& p, co
 std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                               double scale, const optional<Tensor>& initial_state, bool l2norm,
                               const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states, bool with_output,
-                              int64_t stages) {
+                              int64_t stages, const optional<Tensor>& A_log, const optional<Tensor>& dt_bias,
+                              bool beta_sigmoid, double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
   check_inputs(p, q, k, v, g, beta);
+  set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const float* initial = optional_state(initial_state, p, "initial_state");
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor o = with_output ? advise_huge(at::empty(v.sizes(), v.options())) : at::empty({0}, v.options());
@@ -117,13 +138,17 @@ std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
   return {o, final_state, states};
 }
 
-// -> [dq, dk, dv, dg (float32), dbeta (float32), d_initial_state (or empty)]
+// -> [dq, dk, dv, dg (float32), dbeta (float32), d_initial_state (or empty), dA_log, ddt_bias
+// (float32 [HV], or empty without A_log / dt_bias)]; with the gating, dg and dbeta are the
+// gradients of the raw gate and of the beta logits.
 std::vector<Tensor> chunk_bwd(const Tensor& grad_o, const optional<Tensor>& grad_final_state, const Tensor& q,
                               const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, double scale,
                               bool want_d_initial, bool l2norm, const optional<Tensor>& cu_seqlens, int64_t chunk,
-                              const Tensor& chunk_states, int64_t stages) {
+                              const Tensor& chunk_states, int64_t stages, const optional<Tensor>& A_log,
+                              const optional<Tensor>& dt_bias, bool beta_sigmoid, double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
   check_inputs(p, q, k, v, g, beta);
+  set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   check(grad_o, "grad_o", q.scalar_type(), v.numel());
   check(chunk_states, "chunk_states", at::kFloat, total_chunks(p) * p.HV * p.K * p.V);
   const float* grad_final = optional_state(grad_final_state, p, "grad_final_state");
@@ -132,23 +157,30 @@ std::vector<Tensor> chunk_bwd(const Tensor& grad_o, const optional<Tensor>& grad
   Tensor dv = advise_huge(at::empty(v.sizes(), v.options()));
   Tensor dg = at::empty(g.sizes(), f32), dbeta = at::empty(beta.sizes(), f32);
   Tensor d_initial = want_d_initial ? at::empty({p.num_seqs(), p.HV, p.K, p.V}, f32) : at::empty({0}, f32);
+  Tensor d_a_log = at::empty({p.gating.A_log ? p.HV : 0}, f32);
+  Tensor d_dt_bias = at::empty({p.gating.dt_bias ? p.HV : 0}, f32);
   {
     pybind11::gil_scoped_release no_gil;
     gdr::chunk_bwd(p, grad_o.data_ptr(), grad_final, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
                    beta.data_ptr<float>(), chunk_states.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(),
                    dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(),
-                   want_d_initial ? d_initial.data_ptr<float>() : nullptr);
+                   want_d_initial ? d_initial.data_ptr<float>() : nullptr,
+                   p.gating.A_log ? d_a_log.data_ptr<float>() : nullptr,
+                   p.gating.dt_bias ? d_dt_bias.data_ptr<float>() : nullptr);
   }
-  return {dq, dk, dv, dg, dbeta, d_initial};
+  return {dq, dk, dv, dg, dbeta, d_initial, d_a_log, d_dt_bias};
 }
 
 // -> [o, final_state]; with `out_state` given, the final state is written there (it may be
 // the initial state itself: an in-place step).
 std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, double scale, const optional<Tensor>& initial_state, bool l2norm,
-                                  const optional<Tensor>& cu_seqlens, const optional<Tensor>& out_state) {
+                                  const optional<Tensor>& cu_seqlens, const optional<Tensor>& out_state,
+                                  const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
+                                  double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
   check_inputs(p, q, k, v, g, beta);
+  set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const float* initial = optional_state(initial_state, p, "initial_state");
   Tensor final_state;
   if (out_state.has_value() && out_state->defined()) {
@@ -173,9 +205,12 @@ std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor
 // ...); this checks what would make the kernel read or write out of bounds.
 Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                           double scale, const Tensor& pool, const Tensor& indices, const optional<Tensor>& read_pos,
-                          bool l2norm, const optional<Tensor>& cu_seqlens, bool v_first) {
+                          bool l2norm, const optional<Tensor>& cu_seqlens, bool v_first,
+                          const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
+                          double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
   check_inputs(p, q, k, v, g, beta);
+  set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 4, "pool: expected a 4-D CPU tensor");
   const int64_t inner1 = v_first ? p.V : p.K, inner2 = v_first ? p.K : p.V;
   TORCH_CHECK(pool.size(1) == p.HV && pool.size(2) == inner1 && pool.size(3) == inner2,

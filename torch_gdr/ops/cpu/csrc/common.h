@@ -88,6 +88,22 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// softplus with torch's threshold: x itself above 20.
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// The log decay a kernel uses for the g it read at value head h (p.gating, gdr_cpu.h).
+inline float gate_of(const Problem& p, float g, int64_t h) {
+  const Gating& a = p.gating;
+  if (!a.A_log) return g;
+  const float x = a.dt_bias ? g + a.dt_bias[h] : g;
+  return -std::exp(a.A_log[h]) * softplus(x);
+}
+
+// The beta a kernel uses for the beta it read.
+inline float beta_of(const Problem& p, float beta) {
+  return p.gating.beta_sigmoid ? p.gating.beta_scale * (1.0f / (1.0f + std::exp(-beta))) : beta;
+}
+
 // Decays below this are flushed to zero: products of many factors would otherwise drift
 // into denormals, which cost a microcode assist per multiply.
 constexpr float kTiny = 1e-30f;
@@ -260,7 +276,7 @@ void load_tile(const Problem& p, Tile& t, const T* q, const T* k, const T* v, co
     if (with_query) load_row(q + (tok * p.H + hk) * K, t.query() + r * K, K);
     float probe = load_row(k + (tok * p.H + hk) * K, t.key() + r * K, K);
     probe += load_row(v + (tok * p.HV + h) * V, t.v + r * V, V);
-    const float gr = g[tok * p.HV + h], br = beta[tok * p.HV + h];
+    const float gr = gate_of(p, g[tok * p.HV + h], h), br = beta_of(p, beta[tok * p.HV + h]);
     t.g[r] = gr;
     t.beta[r] = br;
     const bool bad = std::isnan(probe) || std::isnan(gr) || gr == std::numeric_limits<float>::infinity() ||

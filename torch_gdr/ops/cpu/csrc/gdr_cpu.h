@@ -20,6 +20,18 @@ enum class DType { Float, Half, BFloat16 };
 // How the stages of the chunked kernels run (see fuse_stages in common.h); tests force each.
 enum class Stages { Auto = 0, Fused = 1, Segmented = 2 };
 
+// fla's activations of the gate and of beta, applied where the kernels read g and beta
+// (torch_gdr/_gating.py has the definition): with `A_log` set, g holds the raw gate a and the
+// log decay is -exp(A_log[h]) * softplus(a + dt_bias[h]) (softplus(x) = x above 20, as
+// torch's); with `beta_sigmoid`, beta holds logits and the kernels use
+// beta_scale * sigmoid(beta) (beta_scale 2 with allow_neg_eigval, else 1).
+struct Gating {
+  const float* A_log = nullptr;    // [HV] float32, or null: g is the log decay itself
+  const float* dt_bias = nullptr;  // [HV] float32, or null (no bias)
+  bool beta_sigmoid = false;
+  float beta_scale = 1.0f;
+};
+
 // The shape of one call and its sequences.
 struct Problem {
   DType dtype = DType::Float;
@@ -29,6 +41,7 @@ struct Problem {
   int threads = 1;
   Stages stages = Stages::Auto;
   std::vector<int64_t> bos, len;  // per sequence
+  Gating gating;
   int64_t num_seqs() const { return static_cast<int64_t>(len.size()); }
   int64_t group() const { return HV / H; }
   int64_t num_chunks(int64_t n) const { return (len[n] + C - 1) / C; }
@@ -41,10 +54,14 @@ void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, co
 
 // Backward from the chunk states the forward saved (required: the caller recomputes them
 // with chunk_fwd when it has none). `grad_final` / `d_initial` may be null.
-// dq, dk, dv in scalar_t; dg, dbeta float32.
+// dq, dk, dv in scalar_t; dg, dbeta float32. With p.gating, dg and dbeta are the gradients
+// of the raw gate and of the beta logits, and d_A_log / d_dt_bias ([HV] float32, each
+// non-null where its parameter is given) receive the parameters' gradients, summed over
+// every token.
 void chunk_bwd(const Problem& p, const void* grad_o, const float* grad_final, const void* q, const void* k,
                const void* v, const float* g, const float* beta, const float* chunk_states, void* dq, void* dk,
-               void* dv, float* dg, float* dbeta, float* d_initial);
+               void* dv, float* dg, float* dbeta, float* d_initial, float* d_A_log = nullptr,
+               float* d_dt_bias = nullptr);
 
 // The per-token recurrence (decode, short T): reads `initial` (null: zeros) and writes
 // `final_state`; the two may alias (in place).

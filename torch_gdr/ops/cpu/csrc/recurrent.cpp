@@ -160,8 +160,8 @@ inline TokenIn prepare_token(const Problem& p, const T* q, const T* k, const T* 
     l2norm_rows(qv, &rn, 1, K);
     l2norm_rows(kv, &rn, 1, K);
   }
-  const float alpha = std::exp(g[tok * HV + h]);
-  return TokenIn{qv, kv, vv, alpha, beta[tok * HV + h], alpha * p.scale, dot(kv, qv, K) * p.scale};
+  const float alpha = std::exp(gate_of(p, g[tok * HV + h], h));
+  return TokenIn{qv, kv, vv, alpha, beta_of(p, beta[tok * HV + h]), alpha * p.scale, dot(kv, qv, K) * p.scale};
 }
 
 template <typename T>

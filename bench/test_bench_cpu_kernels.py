@@ -175,3 +175,62 @@ def test_cpu_decode_step_vs_state_copy(benchmark, batch):
                                 copy_us=statistics.median(times["copy"]) * 1e6)
     _SUMMARY.append(f"decode B={batch} H16/HV32 K=V=128: copy {statistics.median(times['copy']) * 1e6:.0f} us; "
                     f"step/copy out-of-place {_quartiles(out_ratio)}; in place {_quartiles(in_ratio)}")
+
+
+def test_cpu_gating_in_kernel_vs_precomputed(benchmark):
+    """fla's activations (``use_gate_in_kernel`` + ``use_beta_sigmoid_in_kernel``) computed in
+    the kernels, forward + backward through the public call on ``"cpu"`` (gradients of the raw
+    gate, the logits, ``A_log`` and ``dt_bias`` included), against the same call on g and beta
+    computed beforehand (no activation at all, its gradients stop at g and beta) and against
+    the activations written in torch before the call (what the public call did before the
+    kernels had them). T = 4096, H = HV = 4, K = V = 128, fp32."""
+    import torch_gdr
+
+    batch, seq_len, heads, dim = SHAPES["4096x4"]
+    q, k, v, _, _ = make_inputs(batch, seq_len, heads, dim)
+    gen = torch.Generator().manual_seed(1)
+    raw_gate = torch.randn(batch, seq_len, heads, generator=gen)
+    logits = torch.randn(batch, seq_len, heads, generator=gen)
+    a_log = torch.empty(heads).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(heads, generator=gen)
+    with torch.no_grad():
+        g = -a_log.exp() * torch.nn.functional.softplus(raw_gate + dt_bias)
+        beta = logits.sigmoid()
+
+    def leaves(*tensors):
+        return [t.detach().clone().requires_grad_() for t in tensors]
+
+    fused, plain, by_hand = (leaves(q, k, v, raw_gate, logits, a_log, dt_bias), leaves(q, k, v, g, beta),
+                             leaves(q, k, v, raw_gate, logits, a_log, dt_bias))
+
+    def backward(o, state, tensors):
+        (o.sum() + state.sum()).backward()
+        for t in tensors:
+            t.grad = None
+
+    def run_fused():
+        o, s = torch_gdr.chunk_gated_delta_rule(*fused[:5], output_final_state=True, use_gate_in_kernel=True,
+                                                A_log=fused[5], dt_bias=fused[6], use_beta_sigmoid_in_kernel=True,
+                                                chunk_size=CHUNK, backend="cpu")
+        backward(o, s, fused)
+
+    def run_plain():
+        o, s = torch_gdr.chunk_gated_delta_rule(*plain, output_final_state=True, chunk_size=CHUNK, backend="cpu")
+        backward(o, s, plain)
+
+    def run_by_hand():
+        q_, k_, v_, a_, b_, a_log_, dt_ = by_hand
+        g_ = -a_log_.exp() * torch.nn.functional.softplus(a_ + dt_)
+        o, s = torch_gdr.chunk_gated_delta_rule(q_, k_, v_, g_, b_.sigmoid(), output_final_state=True,
+                                                chunk_size=CHUNK, backend="cpu")
+        backward(o, s, by_hand)
+
+    calls = {"fused": run_fused, "precomputed": run_plain, "torch_activations": run_by_hand}
+    times = benchmark.pedantic(_alternate, args=(calls, 7), rounds=1, iterations=1)
+    fused_ratio = [f / p for f, p in zip(times["fused"], times["precomputed"])]
+    torch_ratio = [t / p for t, p in zip(times["torch_activations"], times["precomputed"])]
+    benchmark.extra_info.update(precomputed_ms=[t * 1e3 for t in times["precomputed"]],
+                                fused_over_precomputed=fused_ratio, torch_activations_over_precomputed=torch_ratio)
+    _SUMMARY.append(f"fwd+bwd 4096x4 with the activations: precomputed g/beta "
+                    f"{statistics.median(times['precomputed']) * 1e3:.1f} ms; in-kernel / precomputed "
+                    f"{_spread(fused_ratio)}; in torch before the call / precomputed {_spread(torch_ratio)}")

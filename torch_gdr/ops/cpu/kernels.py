@@ -160,7 +160,8 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     d_initial = grads[5].to(initial_state.dtype) if initial_state is not None else None
     if gating is None or not gating.gated:
         return (*out, d_initial)
-    heads = [None if param is None else d.to(param.dtype) for d, param in zip(grads[6:8], (gating.A_log, gating.dt_bias))]
+    heads = [None if param is None else d.to(param.dtype)
+             for d, param in zip(grads[6:8], (gating.A_log, gating.dt_bias))]
     return (*out, d_initial, *heads)
 
 

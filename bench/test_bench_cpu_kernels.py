@@ -26,7 +26,7 @@ import torch
 from _common import CHUNK, SHAPES, forward_backward, forward_flops, make_inputs, peak_memory_mib, run_hf
 from conftest import GEMM_SIZE
 
-cpu = pytest.importorskip("torch_gdr.ops.cpu")
+cpu = pytest.importorskip("torch_gdr.ops.cpu.kernels")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels unavailable")
 
 _SUMMARY: list[str] = []

@@ -123,12 +123,12 @@ def _run_backward(backward: RawBackward, grad_o: Tensor, grad_final_state: Optio
         grad_final_state = None  # the forward returned no final state
     if chunk_states is not None and chunk_states.numel() == 0:
         chunk_states = None  # none were saved
-    raw_call = call if in_kernel_gating else activate_call(call)
-    grads = list(backward(raw_call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state),
+    backend_call = call if in_kernel_gating else activate_call(call)  # what the raw backward sees
+    grads = list(backward(backend_call, call.canonical_tokens(grad_o), call.canonical_state(grad_final_state),
                           chunk_states, strict))
     if len(grads) == 6:
         grads += [None, None]
-    if raw_call is not call:
+    if backend_call is not call:
         grads[3], grads[4], grads[6], grads[7] = gating_backward(call, grads[3], grads[4])
     inputs = [t for t in (grad_o, grad_final_state, q, k, v, g, beta, initial_state, chunk_states, *gating)
               if isinstance(t, Tensor)]

@@ -348,7 +348,8 @@ def test_opcheck_with_the_activation_arguments(op: str) -> None:
                           + (states, False) + tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in gating))
 
 
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "cpu"])
+@pytest.mark.slow  # a first compile in the process takes seconds
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_compile_fullgraph_with_the_activation_arguments(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The public op with every activation argument under ``torch.compile(fullgraph=True)``:
     the eager values and gradients (``A_log`` and ``dt_bias`` included)."""

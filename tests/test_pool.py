@@ -211,7 +211,8 @@ def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepte
     assert torch.equal(buffer[untouched], before[untouched])
 
 
-#: PyPTO's decode kernel takes at most 8 tokens per sequence (``test_decode_errors``).
+#: PyPTO's decode kernel takes at most 8 tokens per sequence
+#: (``test_pypto_decode_refuses_more_than_8_tokens_per_sequence``).
 PYPTO_REFUSES = ("long_spec",)
 
 

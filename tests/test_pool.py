@@ -2,10 +2,14 @@
 float64 recurrence run on each request alone.
 
 Everything goes through the exported calls: the decode step
-(``torch_gdr.fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)``) on both the
-``"torch"`` backend (the pure-torch step, any device) and the ``"cpu"`` backend (the fused
-kernel), and the prefill (``torch_gdr.chunk_gated_delta_rule(...,
-initial_state_indices=...)``).
+(``torch_gdr.fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)``) and the prefill
+(``torch_gdr.chunk_gated_delta_rule(..., initial_state_indices=...)``), each on the
+``"torch"`` backend (pure torch, any device), the ``"cpu"`` backend (the fused kernels) and
+the ``"pypto"`` backend (its decode kernel, and its chunk kernel between row gathers and
+scatters, run by PyPTO's CPU interpreter). One table of cases and one of errors serves all
+three; PyPTO takes head dims 64 and 128 only, so its cases run at K=64, V=128 (K != V: a
+transposed state cannot pass), and the interpreter takes seconds a call, so most of them are
+slow-marked.
 """
 
 from __future__ import annotations
@@ -19,10 +23,39 @@ import torch
 
 import torch_gdr
 from torch_gdr import _pool
+from torch_gdr.ops.pypto import is_pypto_available
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
 
 FIELDS = ("q", "k", "v", "g", "beta")
+
+#: Backends every pool test runs on.
+BACKENDS = ("cpu", "pypto", "torch")
+#: Head dims (K, V) of the pool tests on each backend: K != V, so a transposed state cannot
+#: pass; PyPTO's kernels take K, V in {64, 128}.
+DIMS = {"torch": (8, 6), "cpu": (8, 6), "pypto": (64, 128)}
+#: Chunk size of the prefill calls: the smallest each backend takes.
+CHUNK = {"torch": 16, "cpu": 16, "pypto": 32}
+needs_pypto = pytest.mark.skipif(not is_pypto_available(), reason="pypto==0.2.0 is not importable")
+
+
+def backend_params(cases, fast_on_pypto=(), skip_on_pypto=()) -> list:
+    """``(backend, case)`` for every backend and case. PyPTO's interpreter takes seconds a
+    call: its cases are slow-marked but those of ``fast_on_pypto``; ``skip_on_pypto`` are
+    cases it refuses (tested as errors instead)."""
+    params = []
+    for case in cases:
+        for backend in BACKENDS:
+            marks = []
+            if backend == "pypto":
+                if case in skip_on_pypto:
+                    continue
+                marks.append(needs_pypto)
+                if case not in fast_on_pypto:
+                    marks.append(pytest.mark.slow)
+            params.append(pytest.param(backend, case, marks=marks, id=f"{case}-{backend}"))
+    return params
+
 
 def _public_step(backend: str) -> Callable:
     """The exported decode call over a pool on ``backend``; returns ``o`` (the pool is
@@ -38,7 +71,7 @@ def _public_step(backend: str) -> Callable:
     return step
 
 
-STEPS: dict[str, Callable] = {"torch": _public_step("torch"), "cpu": _public_step("cpu")}
+STEPS: dict[str, Callable] = {backend: _public_step(backend) for backend in BACKENDS}
 
 
 def prefill(q, k, v, g, beta, scale, pool, *, chunk_size: int = 64, backend: Optional[str] = None, **kw):
@@ -103,6 +136,7 @@ DECODE_CASES = {
     "bf16_pool": ([3, 2, 1], 3, [2, 1, 3], dict(pool_dtype=torch.bfloat16)),
     "fp16_pool_v_first": ([2, 3], 3, [3, 2], dict(pool_dtype=torch.float16, v_first=True)),
     "bf16_inputs": ([2, 1], 2, [1, 2], dict(dtype=torch.bfloat16)),
+    "swapped_head_dims": ([3, 1, 2], 3, [2, 1, 3], dict(swap_dims=True)),  # K > V
 }
 
 
@@ -111,18 +145,21 @@ def _default_rows(lens: list[int], width: int, slots: int, seed: int) -> list[li
     return [rows[n * width:(n + 1) * width] for n in range(len(lens))]
 
 
-def run_decode_case(step: Callable, lens: list[int], width: Optional[int], accepted: Optional[list[int]],
+def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepted: Optional[list[int]],
                     opts: dict, seed: int = 0) -> None:
+    """One decode call over a pool on ``backend`` against each request alone: outputs, every
+    written row, and every other byte of the pool's buffer unchanged."""
     h, hv = opts.get("heads", (2, 2))
-    dk, dv = 8, 6  # K != V: a transposed state cannot pass
+    dk, dv = DIMS[backend][::-1] if opts.get("swap_dims") else DIMS[backend]
     v_first, pad = opts.get("v_first", False), opts.get("pad", 0)
     pool_dtype, in_dtype = opts.get("pool_dtype", torch.float32), opts.get("dtype", torch.float32)
     scale, l2norm = opts.get("scale"), opts.get("l2norm", False)
     slots = 40
     cols = width or 1
     rows = opts.get("rows") or _default_rows(lens, cols, slots, seed)
+    # unit-norm keys unless the op normalises them (raw keys of K = 64 make the state explode)
     x = make_inputs(seqlens=lens, num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=in_dtype,
-                    seed=seed)
+                    normalize_qk=not l2norm, seed=seed)
     cu = x.pop("cu_seqlens")
     bos = cu.tolist()[:-1]
     pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 1)
@@ -133,7 +170,8 @@ def run_decode_case(step: Callable, lens: list[int], width: Optional[int], accep
     if opts.get("token_major"):
         args = [t.squeeze(0) for t in args]
     with torch.no_grad():
-        o = step(*args, scale, pool, idx, acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first)
+        o = STEPS[backend](*args, scale, pool, idx, acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+                           state_v_first=v_first)
     assert o.shape == args[2].shape and o.dtype == in_dtype
     o = o.reshape(-1, hv, dv)
 
@@ -173,24 +211,28 @@ def run_decode_case(step: Callable, lens: list[int], width: Optional[int], accep
     assert torch.equal(buffer[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("impl", sorted(STEPS))
-@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+#: PyPTO's decode kernel takes at most 8 tokens per sequence
+#: (``test_pypto_decode_refuses_more_than_8_tokens_per_sequence``).
+PYPTO_REFUSES = ("long_spec",)
+
+
+@pytest.mark.parametrize("impl, case", backend_params(sorted(DECODE_CASES), skip_on_pypto=PYPTO_REFUSES))
 def test_decode_against_each_request_alone(impl: str, case: str) -> None:
     lens, width, accepted, opts = DECODE_CASES[case]
-    run_decode_case(STEPS[impl], lens, width, accepted, opts)
+    run_decode_case(impl, lens, width, accepted, opts)
 
 
-@pytest.mark.parametrize("impl", sorted(STEPS))
-def test_decode_batched_layout_and_steps_chain(impl: str) -> None:
+@pytest.mark.parametrize("impl, case", backend_params(["batched"]))
+def test_decode_batched_layout_and_steps_chain(impl: str, case: str) -> None:
     """B sequences of T tokens (no cu_seqlens), several steps in a row through the same pool:
     equals one long run per request; rows are reused in place."""
     step = STEPS[impl]
-    batch, hv, dk, dv, steps = 3, 2, 8, 6, 4
+    (dk, dv), batch, hv, steps = DIMS[impl], 3, 2, 4
     pool, _ = make_pool(10, hv, dk, dv)
     start = pool.clone()
     rows = torch.tensor([7, 2, 5])
     x = make_inputs(batch_size=batch, seq_len=steps, num_qk_heads=hv, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                    dtype=torch.float32, seed=3)
+                    dtype=torch.float32, normalize_qk=True, seed=3)
     outs = []
     with torch.no_grad():
         for t in range(steps):
@@ -208,11 +250,14 @@ def test_decode_batched_layout_and_steps_chain(impl: str) -> None:
 
 def run_prefill_case(lens: list[int], initial: list[int], final: Optional[list[int]],
                      offsets: Optional[list[list[int]]], ck_rows: Optional[list[list[int]]], *,
-                     v_first: bool = False, pad: int = 0, pool_dtype=torch.float32, chunk_size: int = 16,
-                     seed: int = 0) -> None:
-    hv, dk, dv, slots = 2, 8, 6, 40
+                     backend: str = "cpu", v_first: bool = False, pad: int = 0, pool_dtype=torch.float32,
+                     swap_dims: bool = False, seed: int = 0) -> None:
+    """One prefill call over a pool on ``backend`` against each request alone: outputs, the
+    final and checkpoint rows, and every other byte of the pool's buffer unchanged.
+    ``swap_dims``: the backend's test head dims swapped (K > V)."""
+    (dk, dv), hv, slots = (DIMS[backend][::-1] if swap_dims else DIMS[backend]), 2, 40
     x = make_inputs(seqlens=lens, num_qk_heads=1, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=torch.float32,
-                    seed=seed)
+                    normalize_qk=True, seed=seed)
     cu = x.pop("cu_seqlens")
     bos = cu.tolist()[:-1]
     pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 5)
@@ -224,7 +269,7 @@ def run_prefill_case(lens: list[int], initial: list[int], final: Optional[list[i
             final_state_indices=None if final is None else torch.tensor(final),
             checkpoint_offsets=None if offsets is None else torch.tensor(offsets),
             checkpoint_indices=None if ck_rows is None else torch.tensor(ck_rows), cu_seqlens=cu,
-            chunk_size=chunk_size, state_v_first=v_first)
+            chunk_size=CHUNK[backend], backend=backend, state_v_first=v_first)
     o = o.reshape(-1, hv, dv)
     finals = final if final is not None else initial
     expected: dict[int, torch.Tensor] = {}
@@ -265,13 +310,14 @@ PREFILL_CASES = {
     "checkpoint_empty_sequence": ([0, 12], [1, 2], [3, 4], [[0], [12]], [[5], [6]], {}),
     "v_first_padded": ([25, 14], [0, 1], [2, 3], [[7, 19], [13, -1]], [[4, 5], [6, -1]], dict(v_first=True, pad=5)),
     "bf16_pool": ([30, 18], [0, 1], None, [[11, 29], [3, 17]], [[4, 5], [6, 7]], dict(pool_dtype=torch.bfloat16)),
+    "swapped_head_dims": ([40, 9], [2, -1], [5, 6], [[33], [4]], [[7], [8]], dict(swap_dims=True)),  # K > V
 }
 
 
-@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
-def test_prefill_against_each_request_alone(case: str) -> None:
+@pytest.mark.parametrize("impl, case", backend_params(sorted(PREFILL_CASES), fast_on_pypto=("checkpoints_1d",)))
+def test_prefill_against_each_request_alone(impl: str, case: str) -> None:
     lens, initial, final, offsets, rows, opts = PREFILL_CASES[case]
-    run_prefill_case(lens, initial, final, offsets, rows, **opts)
+    run_prefill_case(lens, initial, final, offsets, rows, backend=impl, **opts)
 
 
 def test_prefill_checkpoints_one_pass(monkeypatch) -> None:
@@ -298,41 +344,60 @@ def test_prefill_checkpoints_one_pass(monkeypatch) -> None:
 
 
 def _decode(impl: str = "torch", lens=(2, 1), idx=None, acc=None, pool=None, grad: bool = False, **changes):
-    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=6,
+    """A decode call on ``impl`` at its test head dims (``DIMS``); ``pool``: a tensor, or a
+    function of ``(K, V)`` making one (default: a valid pool of 6 rows)."""
+    dk, dv = DIMS[impl]
+    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=dk, head_v_dim=dv,
                     dtype=torch.float32)
     cu = x.pop("cu_seqlens")
     if grad:
         x["v"].requires_grad_()
-    pool = make_pool(6, 2, 8, 6)[0] if pool is None else pool
+    pool = make_pool(6, 2, dk, dv)[0] if pool is None else pool(dk, dv) if callable(pool) else pool
     idx = torch.tensor([[0, 1], [2, 3]]) if idx is None else idx
     args = dict(cu_seqlens=cu)
     args.update(changes)
     STEPS[impl](*(x[f] for f in FIELDS), None, pool, idx, acc, **args)
 
 
-def _prefill(lens=(5, 3), initial=(0, 1), final=None, offsets=None, rows=None, **changes):
-    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=6,
+def _prefill(impl: str = "cpu", lens=(5, 3), initial=(0, 1), final=None, offsets=None, rows=None, grad: bool = False,
+             **changes):
+    """A prefill call on ``impl`` at its test head dims, over a pool of 6 rows."""
+    dk, dv = DIMS[impl]
+    x = make_inputs(seqlens=list(lens), num_qk_heads=1, num_v_heads=2, head_k_dim=dk, head_v_dim=dv,
                     dtype=torch.float32)
     cu = x.pop("cu_seqlens")
+    if grad:
+        x["k"].requires_grad_()
     t = lambda a: None if a is None else torch.tensor(a)  # noqa: E731
     kw = dict(initial_state_indices=t(initial), final_state_indices=t(final), checkpoint_offsets=t(offsets),
-              checkpoint_indices=t(rows), cu_seqlens=cu)
+              checkpoint_indices=t(rows), cu_seqlens=cu, chunk_size=CHUNK[impl], backend=impl)
     kw.update(changes)
-    prefill(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], **kw)
+    prefill(*(x[f] for f in FIELDS), None, make_pool(6, 2, dk, dv)[0], **kw)
+
+
+def _pattern(pattern: str, dk: int, dv: int) -> str:
+    """A message regex with the head dims of the call filled in: ``<K>``, ``<V>``, ``<KV>``
+    (K * V) and ``<HKV>`` (2 heads * K * V)."""
+    for name, value in (("<HKV>", 2 * dk * dv), ("<KV>", dk * dv), ("<K>", dk), ("<V>", dv)):
+        pattern = pattern.replace(name, str(value))
+    return pattern
 
 
 DECODE_ERRORS = {
-    "pool_dtype": (dict(pool=torch.zeros(6, 2, 8, 6, dtype=torch.float64)), TypeError,
+    "pool_dtype": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, dtype=torch.float64)), TypeError,
                    r"initial_state: expected a pool of dtype float32, bfloat16 or float16, got torch.float64"),
-    "pool_transposed_shape": (dict(pool=torch.zeros(6, 2, 6, 8)), ValueError,
-                              r"initial_state: expected a pool of shape \[slots, HV, K, V\] = \[slots >= 1, 2, 8, 6\], "
-                              r"got \[6, 2, 6, 8\]"),
+    "pool_transposed_shape": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk)), ValueError,
+                              r"initial_state: expected a pool of shape \[slots, HV, K, V\] = "
+                              r"\[slots >= 1, 2, <K>, <V>\], got \[6, 2, <V>, <K>\]"),
     "pool_v_first_shape": (dict(state_v_first=True), ValueError, r"\[slots, HV, V, K\] \(state_v_first=True\)"),
-    "pool_inner_strides": (dict(pool=torch.zeros(6, 2, 6, 8).transpose(2, 3)), ValueError,
-                           r"initial_state: expected a pool whose rows are contiguous .*got strides \[96, 48, 1, 8\]"),
-    "pool_device": (dict(pool=torch.zeros(6, 2, 8, 6, device="meta")), ValueError,
+    "pool_inner_strides": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk).transpose(2, 3)), ValueError,
+                           r"initial_state: expected a pool whose rows are contiguous .*got strides "
+                           r"\[<HKV>, <KV>, 1, <K>\]"),
+    "pool_device": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, device="meta")), ValueError,
                     r"initial_state: expected the pool on cpu"),
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),
+    "not_in_place": (dict(inplace_final_state=False), ValueError,
+                     r"inplace_final_state: only True \(states written into the pool's rows\) is supported, got False"),
     "index_dtype": (dict(idx=torch.tensor([[0.0, 1.0], [2.0, 3.0]])), TypeError,
                     r"ssm_state_indices: expected dtype int32 or int64, got torch.float32"),
     "index_rank": (dict(idx=torch.zeros(2, 2, 1, dtype=torch.int64)), ValueError,
@@ -363,12 +428,20 @@ DECODE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("impl", sorted(STEPS))
-@pytest.mark.parametrize("name", sorted(DECODE_ERRORS))
+@pytest.mark.parametrize("impl, name", backend_params(sorted(DECODE_ERRORS), fast_on_pypto=sorted(DECODE_ERRORS)))
 def test_decode_errors(impl: str, name: str) -> None:
     changes, exc, pattern = DECODE_ERRORS[name]
-    with pytest.raises(exc, match=pattern):
+    with pytest.raises(exc, match=_pattern(pattern, *DIMS[impl])):
         _decode(impl, **changes)
+
+
+@needs_pypto
+def test_pypto_decode_refuses_more_than_8_tokens_per_sequence() -> None:
+    """The PyPTO decode kernel takes S <= 8 tokens per sequence (``long_spec`` of the decode
+    cases runs on the other backends)."""
+    with pytest.raises(ValueError, match=r"ssm_state_indices: the PyPTO decode kernel takes at most 8 tokens per "
+                                         r"sequence \(S\), got S = 9"):
+        _decode("pypto", lens=(9, 1), idx=torch.arange(18).view(2, 9), pool=lambda dk, dv: make_pool(18, 2, dk, dv)[0])
 
 
 def test_minus1_and_unused_entries_are_not_conflicts() -> None:
@@ -386,58 +459,85 @@ def _check(**kw) -> None:
     _pool.check_pool_args(*(x[f] for f in FIELDS), None, make_pool(6, 2, 8, 6)[0], cu_seqlens=cu, **kw)
 
 
-PREFILL_ERRORS = {
-    "both_kinds": (lambda: _check(ssm_state_indices=torch.tensor([0, 1]), initial_state_indices=torch.tensor([0, 1])),
+CHECK_ERRORS = {  # the common check's own rules, which no public call reaches (each takes one kind)
+    "both_kinds": (dict(ssm_state_indices=torch.tensor([0, 1]), initial_state_indices=torch.tensor([0, 1])),
                    ValueError, r"expected exactly one of them .*got both"),
-    "neither_kind": (lambda: _check(), ValueError, r"expected exactly one of them .*got neither"),
-    "accepted_in_prefill": (lambda: _check(initial_state_indices=torch.tensor([0, 1]),
-                                           num_accepted_tokens=torch.tensor([1, 1])), ValueError,
-                            r"num_accepted_tokens: is a decode argument"),
-    "prefill_argument_in_decode": (lambda: _check(ssm_state_indices=torch.tensor([0, 1]),
-                                                  final_state_indices=torch.tensor([0, 1])), ValueError,
-                                   r"final_state_indices: is a prefill argument"),
-    "initial_shape": (lambda: _prefill(initial=[[0, 1]]), ValueError,
+    "neither_kind": (dict(), ValueError, r"expected exactly one of them .*got neither"),
+    "accepted_in_prefill": (dict(initial_state_indices=torch.tensor([0, 1]), num_accepted_tokens=torch.tensor([1, 1])),
+                            ValueError, r"num_accepted_tokens: is a decode argument"),
+    "prefill_argument_in_decode": (dict(ssm_state_indices=torch.tensor([0, 1]),
+                                        final_state_indices=torch.tensor([0, 1])),
+                                   ValueError, r"final_state_indices: is a prefill argument"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECK_ERRORS))
+def test_check_errors(name: str) -> None:
+    kw, exc, pattern = CHECK_ERRORS[name]
+    with pytest.raises(exc, match=pattern):
+        _check(**kw)
+
+
+PREFILL_ERRORS = {
+    "grad": (dict(grad=True), ValueError, r"k: requires grad, but state pools are for inference"),
+    "no_initial_rows": (dict(initial=None, final=[2, 3]), ValueError,
+                        r"initial_state_indices: required with final_state_indices or checkpoints"),
+    "checkpoint_every": (dict(checkpoint_every=64), ValueError,
+                         r"checkpoint_every: not available with a state pool .*got checkpoint_every=64"),
+    "initial_shape": (dict(initial=[[0, 1]]), ValueError,
                       r"initial_state_indices: expected shape \[N\], got \[1, 2\]"),
-    "initial_count": (lambda: _prefill(initial=[0]), ValueError,
+    "initial_count": (dict(initial=[0]), ValueError,
                       r"initial_state_indices: expected shape \[N\] = \[2\], got \[1\]"),
-    "final_range": (lambda: _prefill(final=[0, 9]), ValueError,
+    "initial_range": (dict(initial=[-2, 1]), ValueError,
+                      r"initial_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got -2 at 0"),
+    "final_range": (dict(final=[0, 9]), ValueError,
                     r"final_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 9 at 1"),
-    "final_shared": (lambda: _prefill(final=[4, 4]), ValueError, r"final_state_indices\[1\]: row 4 is written twice"),
-    "final_read_by_other": (lambda: _prefill(final=[1, 2]), ValueError,
+    "final_shared": (dict(final=[4, 4]), ValueError, r"final_state_indices\[1\]: row 4 is written twice"),
+    "final_read_by_other": (dict(final=[1, 2]), ValueError,
                             r"initial_state_indices\[1\]: row 1 is read by sequence 1 and written by sequence 0"),
-    "offsets_without_rows": (lambda: _prefill(offsets=[1, 2]), ValueError,
+    "offsets_without_rows": (dict(offsets=[1, 2]), ValueError,
                              r"checkpoint_indices: expected together with checkpoint_offsets"),
-    "rows_without_offsets": (lambda: _prefill(rows=[3, 4]), ValueError,
+    "rows_without_offsets": (dict(rows=[3, 4]), ValueError,
                              r"checkpoint_offsets: expected together with checkpoint_indices"),
-    "checkpoint_shapes": (lambda: _prefill(offsets=[[1, 2], [1, 2]], rows=[3, 4]), ValueError,
+    "checkpoint_shapes": (dict(offsets=[[1, 2], [1, 2]], rows=[3, 4]), ValueError,
                           r"checkpoint_indices: expected the shape of checkpoint_offsets \[2, 2\], got \[2\]"),
-    "checkpoint_past_end": (lambda: _prefill(offsets=[[1], [4]], rows=[[3], [4]]), ValueError,
+    "checkpoint_past_end": (dict(offsets=[[1], [4]], rows=[[3], [4]]), ValueError,
                             r"checkpoint_offsets: expected a position in 0..3 \(the length of sequence 1\), got 4 at "
                             r"\[1, 0\]"),
-    "checkpoint_negative": (lambda: _prefill(offsets=[-1, 2], rows=[3, 4]), ValueError,
+    "checkpoint_negative": (dict(offsets=[-1, 2], rows=[3, 4]), ValueError,
                             r"expected a position in 0..5 .*got -1 at \[0\]"),
-    "checkpoint_row_is_final_row": (lambda: _prefill(offsets=[1, 2], rows=[3, 1]), ValueError,
+    "checkpoint_row_range": (dict(offsets=[1, 2], rows=[3, 6]), ValueError,
+                             r"checkpoint_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 6 at 1"),
+    "checkpoint_row_is_final_row": (dict(offsets=[1, 2], rows=[3, 1]), ValueError,
                                     r"checkpoint_indices\[1\]: row 1 is written twice"),
-    "checkpoint_row_read_by_other": (lambda: _prefill(offsets=[1, 2], rows=[1, 4], final=[2, 3]), ValueError,
+    "checkpoint_rows_shared": (dict(offsets=[[1, 2], [1, 2]], rows=[[3, 4], [5, 4]]), ValueError,
+                               r"checkpoint_indices\[1, 1\]: row 4 is written twice"),
+    "checkpoint_row_read_by_other": (dict(offsets=[1, 2], rows=[1, 4], final=[2, 3]), ValueError,
                                      r"row 1 is read by sequence 1 and written by sequence 0"),
-    "checkpoint_dtype": (lambda: _prefill(offsets=[1.0, 2.0], rows=[3, 4]), TypeError,
+    "checkpoint_dtype": (dict(offsets=[1.0, 2.0], rows=[3, 4]), TypeError,
                          r"checkpoint_offsets: expected dtype int32 or int64"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(PREFILL_ERRORS))
-def test_prefill_errors(name: str) -> None:
-    call, exc, pattern = PREFILL_ERRORS[name]
+@pytest.mark.parametrize("impl, name",
+                         backend_params(sorted(PREFILL_ERRORS), fast_on_pypto=sorted(set(PREFILL_ERRORS) - {"grad"})))
+def test_prefill_errors(request, impl: str, name: str) -> None:
+    if name == "grad":
+        # torch_gdr.functional._pool_prefill runs the pool check under torch.no_grad(), so the
+        # check never sees grad mode on; strict: this turns red once that is fixed.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a prefill over a pool ignores inputs that "
+                                                                  "require grad (checked under no_grad)"))
+    changes, exc, pattern = PREFILL_ERRORS[name]
     with pytest.raises(exc, match=pattern):
-        call()
+        _prefill(impl, **changes)
 
 
-def test_rejected_call_leaves_pool_untouched() -> None:
-    pool, buffer = make_pool(6, 2, 8, 6)
+@pytest.mark.parametrize("impl, case", backend_params(["rejected"], fast_on_pypto=["rejected"]))
+def test_rejected_call_leaves_pool_untouched(impl: str, case: str) -> None:
+    pool, buffer = make_pool(6, 2, *DIMS[impl])
     before = buffer.clone()
-    for impl in STEPS:
-        with pytest.raises(ValueError, match=re.escape("num_accepted_tokens")):
-            _decode(impl, pool=pool, acc=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=re.escape("num_accepted_tokens")):
+        _decode(impl, pool=pool, acc=torch.tensor([0, 1]))
     assert torch.equal(buffer, before)
 
 
@@ -460,10 +560,15 @@ class Request:
         self.accepted = 1
 
 
-def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec_width: int = 3,
-                     max_running: int = 12) -> None:
+def simulate_serving(backend: str, num_requests: int = 64, seed: int = 0, spec_width: int = 3, max_running: int = 12,
+                     head_dims: tuple[int, int] = (16, 8), hit_from: int = 4, hit_rate: float = 0.35,
+                     min_hits: int = 5) -> None:
+    """The continuous-batching loop of :func:`test_serving_simulation` on ``backend``: its
+    prefills and decode steps through the public calls. Requests from ``hit_from`` on share a
+    prefix with an earlier one with probability ``hit_rate``; at least ``min_hits`` do."""
+    step = STEPS[backend]
     rng = random.Random(seed)
-    h, hv, dk, dv = 1, 2, 16, 8
+    (dk, dv), h, hv = head_dims, 1, 2
     cache_rows = list(range(num_requests))  # prefix cache: one checkpoint row per request, kept
     free_rows = list(range(num_requests, num_requests + max_running * spec_width + 8))
     pool = torch.zeros(free_rows[-1] + 1, hv, dk, dv)
@@ -475,13 +580,13 @@ def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec
     for rid in range(num_requests):
         prompt = rng.randint(1, 40)
         hit = None
-        if rid >= 4 and rng.random() < 0.35:
+        if rid >= hit_from and rng.random() < hit_rate:
             source = rng.randrange(rid)
             hit = (source, checkpoints[source])
             prompt = max(prompt, hit[1])  # a prompt may be all cached (prefill of no tokens)
         total = prompt + rng.randint(1, 10)
         x = make_inputs(seqlens=[total], num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                        dtype=torch.float32, seed=seed * 1000 + rid)
+                        dtype=torch.float32, normalize_qk=True, seed=seed * 1000 + rid)
         x.pop("cu_seqlens")
         if hit:  # the shared prefix: the source's first tokens
             for f in FIELDS:
@@ -517,7 +622,7 @@ def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec
                     final_state_indices=torch.tensor([r.block[0] for r in admitted]),
                     checkpoint_offsets=torch.tensor([[r.own_checkpoint - r.start] for r in admitted]),
                     checkpoint_indices=torch.tensor([[cache_rows[r.rid]] for r in admitted]), cu_seqlens=cu,
-                    chunk_size=16)
+                    chunk_size=CHUNK[backend], backend=backend)
             for i, r in enumerate(admitted):
                 for p in range(lens[i]):
                     r.outputs[r.start + p] = o[0, cu[i] + p]
@@ -562,21 +667,31 @@ def simulate_serving(step: Callable, num_requests: int = 64, seed: int = 0, spec
                                                     None, True)
         assert rel_err(state[0], pool[cache_rows[r.rid]]) < 1e-5, f"checkpoint of request {r.rid}"
     assert bool(pool[num_requests:].isnan().all()), "a decode row was written after its request left"
-    assert sum(1 for r in requests if r.hit) >= 5
+    assert sum(1 for r in requests if r.hit) >= min_hits
 
 
-@pytest.mark.parametrize("impl", sorted(STEPS))
+@pytest.mark.parametrize("impl", ["cpu", "torch"])
 def test_serving_simulation(impl: str) -> None:
     """64 requests of random lengths arrive and leave over a continuous-batching loop: packed
     prefills (prefix hits restored from checkpoint rows other requests wrote), decode steps
     mixing one-token and speculative sequences with random acceptance and a padding sequence
     of -1 rows; every output equals its request run alone, the pool is never reallocated, and
     freed rows (poisoned with NaN) never leak into another request."""
-    simulate_serving(STEPS[impl])
+    simulate_serving(impl)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("impl", sorted(STEPS))
+@pytest.mark.parametrize("impl", ["cpu", "torch"])
 def test_serving_simulation_more_seeds(impl: str, seed: int) -> None:
-    simulate_serving(STEPS[impl], seed=seed, spec_width=4, max_running=20)
+    simulate_serving(impl, seed=seed, spec_width=4, max_running=20)
+
+
+@needs_pypto
+@pytest.mark.slow
+def test_serving_simulation_pypto() -> None:
+    """The serving loop, smaller, on ``"pypto"`` (its decode kernel and its chunk kernel run
+    by the interpreter): 8 requests at K = V = 64, prefix hits more frequent so that a few
+    occur."""
+    simulate_serving("pypto", num_requests=8, seed=0, spec_width=3, max_running=4, head_dims=(64, 64), hit_from=2,
+                     hit_rate=0.7, min_hits=2)

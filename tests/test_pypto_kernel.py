@@ -134,6 +134,17 @@ def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
     assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True, public_call=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("head_k_dim, head_v_dim", [(64, 128), (128, 64)], ids=["K64_V128", "K128_V64"])
+def test_unequal_head_dims_float32(head_k_dim: int, head_v_dim: int) -> None:
+    """K != V in float32 through the public call: packed uneven sequences (one shorter than a
+    chunk), two value heads per key head, an initial state; o and the final state. (The
+    backward at both shapes: ``tests/test_pypto_backward.py``.)"""
+    inputs = make_inputs([90, 33], num_qk_heads=1, num_v_heads=2, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                         with_initial_state=True)
+    assert_close_to_reference(inputs, chunk_size=64, use_qk_l2norm=True)
+
+
 def reference_chunk_states(inputs: dict, chunk_size: int, *, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
     """The float64 state entering each chunk, ``[C, HV, K, V]``: the recurrence's final state
     over each sequence's prefix that ends at the chunk's first token."""

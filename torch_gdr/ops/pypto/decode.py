@@ -58,11 +58,12 @@ def batch_bucket(num_seqs: int) -> int:
 def _token_slots(plan: _pool.PoolPlan, width: int, device: torch.device) -> Optional[Tensor]:
     """Index into the flattened tokens of every (sequence, slot j < S) in the kernel's
     order, or None when the tokens already lie that way (every sequence S tokens long,
-    back to back). Slots past a sequence's length point at its first token (or token 0):
-    their outputs are dropped and their states never written."""
+    back to back). Slots past a sequence's length point at token 0 (an empty last
+    sequence's offset is the token count, out of range): their outputs are dropped and their
+    states never written. Needs at least one token in the call."""
     if all(length == width for length in plan.seq_lens) and plan.bos == tuple(n * width for n in range(plan.num_seqs)):
         return None
-    table = [plan.bos[n] + (j if j < plan.seq_lens[n] else 0) for n in range(plan.num_seqs) for j in range(width)]
+    table = [plan.bos[n] + j if j < plan.seq_lens[n] else 0 for n in range(plan.num_seqs) for j in range(width)]
     return torch.tensor(table, dtype=torch.int64, device=device)
 
 

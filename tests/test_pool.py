@@ -480,6 +480,8 @@ def test_check_errors(name: str) -> None:
 
 PREFILL_ERRORS = {
     "grad": (dict(grad=True), ValueError, r"k: requires grad, but state pools are for inference"),
+    "grad_A_log": (dict(use_gate_in_kernel=True, A_log=torch.zeros(2, requires_grad=True)), ValueError,
+                   r"A_log: requires grad, but state pools are for inference"),
     "no_initial_rows": (dict(initial=None, final=[2, 3]), ValueError,
                         r"initial_state_indices: required with final_state_indices or checkpoints"),
     "checkpoint_every": (dict(checkpoint_every=64), ValueError,
@@ -520,13 +522,8 @@ PREFILL_ERRORS = {
 
 
 @pytest.mark.parametrize("impl, name",
-                         backend_params(sorted(PREFILL_ERRORS), fast_on_pypto=sorted(set(PREFILL_ERRORS) - {"grad"})))
-def test_prefill_errors(request, impl: str, name: str) -> None:
-    if name == "grad":
-        # torch_gdr.functional._pool_prefill runs the pool check under torch.no_grad(), so the
-        # check never sees grad mode on; strict: this turns red once that is fixed.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a prefill over a pool ignores inputs that "
-                                                                  "require grad (checked under no_grad)"))
+                         backend_params(sorted(PREFILL_ERRORS), fast_on_pypto=sorted(PREFILL_ERRORS)))
+def test_prefill_errors(impl: str, name: str) -> None:
     changes, exc, pattern = PREFILL_ERRORS[name]
     with pytest.raises(exc, match=pattern):
         _prefill(impl, **changes)

@@ -193,11 +193,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     num_v_heads, head_k_dim, head_v_dim = v.shape[-2], q.shape[-1], v.shape[-1]
     device = q.device
     _check_pool(pool, num_v_heads, head_k_dim, head_v_dim, state_v_first, device)
-    if torch.is_grad_enabled():
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", pool)):
-            if t.requires_grad:
-                raise ValueError(f"{name}: requires grad, but state pools are for inference (updated in place, no "
-                                 f"gradient); call under torch.no_grad() or torch.inference_mode()")
+    check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool)
     if cu_seqlens is not None:
         offsets = read_cu_seqlens(cu_seqlens, lead_b * lead_t)
         bos, lens = tuple(offsets[:-1]), tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
@@ -445,6 +441,17 @@ def _segments(plan: PoolPlan) -> list[list[int]]:
                     inner.add(off)
         bounds.append([0, *sorted(inner), length])
     return bounds
+
+
+def check_no_grad(**tensors: Optional[Tensor]) -> None:
+    """Pools are for inference: with grad mode on, ``ValueError`` naming the first of
+    ``tensors`` (argument name -> tensor or None) that requires grad."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but state pools are for inference (updated in place, no "
+                             f"gradient); call under torch.no_grad() or torch.inference_mode()")
 
 
 def pool_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],

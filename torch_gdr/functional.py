@@ -9,7 +9,7 @@ import torch
 
 from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._layout import canonical_call
-from torch_gdr._pool import pool_chunk_prefill
+from torch_gdr._pool import check_no_grad, pool_chunk_prefill
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step
@@ -181,6 +181,9 @@ def chunk_gated_delta_rule(
     cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q.device)
     gating = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    if pooled:
+        # before the activations and the pool's own no_grad pass, where grad mode is still seen
+        check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
     if cp_context is not None or pooled:
         # context parallelism and pool prefill compose chunked calls of their own: they get
         # the activated g and beta (differentiable torch, torch_gdr._gating)

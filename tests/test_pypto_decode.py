@@ -134,6 +134,21 @@ def test_bucketed_cache_reuses_one_kernel_for_two_batch_sizes() -> None:
         kernel_cache.decode_cache_clear()
 
 
+def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large batches run all the value heads of a key head in one loop body (one vector
+    task); forced here at a tiny size: two key heads of two value heads each, a
+    speculative step with acceptance, a -1 slot and a -1 start row."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    assert kernel_decode.value_heads_per_body(2, 2, 4) == 2
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([2, 2], 2, [2, 1], heads=(2, 4), rows=[[4, 6], [-1, 9]], nan_rows=(0,), seed=3)
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs"])
 def test_more_configurations(case: str) -> None:

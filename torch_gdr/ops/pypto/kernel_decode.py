@@ -278,7 +278,7 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
     state_rows = min(dk, 64)
     token_offsets = tuple(range(s))
 
-    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM})
+    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM, "stitch_function_max_num": STITCH_BODIES})
     def pool_row_copy(
         read_rows: pypto.Tensor([batch], pypto.DT_INT32),
         write_rows: pypto.Tensor([batch * s], pypto.DT_INT32),

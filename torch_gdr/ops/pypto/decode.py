@@ -13,6 +13,15 @@ A key-first pool whose rows are packed (row stride = row size) is read and writt
 place by the kernel. A value-first pool or one with padded rows goes through a packed
 key-first copy of the rows the call touches, written back afterwards.
 
+Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
+returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records
+it as one node. The plain step (equal-length sequences filling their S slots, no
+``cu_seqlens``, a packed key-first pool, NPU index tensors with ``validate=False``) reads
+nothing back to the host and builds no tensor from host data: the row tables and the
+padding come from device ops. What still reads the host: validation of index values
+(always for CPU index tensors, as the semantics say), ``cu_seqlens`` (their lengths), and
+the copy path of a value-first or padded pool (which rows it touches).
+
 On CPU tensors the kernel runs through PyPTO's interpreter (:mod:`.interpreter`); on
 Ascend NPU tensors it is launched on the device.
 """
@@ -209,7 +218,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
         read_rows, write_rows = local(read_rows), local(write_rows)
     pad_rows = torch.full((bucket - num_seqs,), -1, dtype=torch.int64, device=indices.device)
-    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32)
+    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
                                                                                       dtype=torch.int32)
 

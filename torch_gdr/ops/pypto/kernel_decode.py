@@ -7,26 +7,33 @@ its own, so a small batch's latency is one pair's; the group once the bodies que
 and k are read and normalised once and the scheduler meets half the tasks). Within a
 body the S tokens of the sequence (S = 1 for plain decode, up to 8 for speculative
 verification) run one after another on the state rows held as ``[K, V]`` fp32 tiles. Per
-token and value head, on the vector unit::
+token and value head, on the vector unit, with ``d = exp(g)``::
 
-    S    <- exp(g) S                        decay
-    kv    = S^T k                           matvec: (S * k[:, None]).sum(0)   [1, V]
-    u     = beta (v - kv)
-    S    <- S + k u^T                       rank-1 update                     [K, V]
-    o     = S^T (scale q)                   matvec                            [1, V]
+    kv    = S^T k,   sq = S^T q             two matvecs of the state before the token,
+                                            (S * k[:, None]).sum(0)             [1, V]
+    u     = beta (v - d kv)
+    o     = d sq + (q . k) u                = S'^T q
+    S'    = d S + k u^T                     the decayed state plus the rank-1 update
 
-and the state after the token is stored to the pool row its sequence names for that
-token. Rows are read and written in place through the row tables; a row of -1 reads as
-a zero state and is never written (a symbolic ``if`` on the table entry).
+(q scaled after its norm), and the state after the token is stored to the pool row its
+sequence names for that token. Both matvecs read the state the token starts from, so they
+do not wait for the update, and the update is the state's only other pass. Rows are read
+and written in place through the row tables; a row of -1 reads as a zero state and is
+never written (a symbolic ``if`` on the table entry).
 
 What the cost model charges (bench/RESULTS.md has the figures): pypto splits a body into
 a task per dependency chain and per state tile (about ten dependent vector tasks per
 pair and token, each waiting 5-9k cycles for the scheduler), and submits ten bodies at a
 time by default. So the kernel compiles each body into one vector task
-(``pg_skip_partition``) and submits up to :data:`STITCH_BODIES` bodies at once. The
-state tiles stay at 64 rows: 32-row tiles run slower, 128-row tiles fail in the cost
-model. A body's time is then mostly data movement: the state's copy-in and the tiles
-the unified buffer spills.
+(``pg_skip_partition``) and submits up to :data:`STITCH_BODIES` bodies at once. Within a
+task, every copy between memory and the unified buffer costs about 1,400 cycles
+whatever its size (32 KiB: 1,750), one after another on the task's copy-in pipe, which
+bounds the task. Hence: each input read straight from memory where it is used (a view of
+an on-chip tensor is a round trip through memory: the decays are read per head rather
+than as one row of the group), the row table two-dimensional (its ``[1, 1]`` view needs
+no reshape, another round trip), and the state tiles at 64 rows (32-row tiles double the
+copies; 128-row fp32 tiles fail in the cost model). What is left: the state's copies
+and a few tiles the unified buffer spills.
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -38,7 +45,9 @@ q, k            ``[B * S, H * K]`` in_dtype   queries, keys; token j of sequence
 v               ``[B * S, HV * V]`` in_dtype  values (value head h reads q/k head
                                               ``h // (HV // H)``)
 g, beta         ``[B * S, HV]`` fp32          log decay, write strength
-read_rows       ``[B]`` int32                 pool row each sequence starts from (-1: zeros)
+read_rows       ``[B, 1]`` int32              pool row each sequence starts from (-1: zeros;
+                                              two-dimensional: its [1, 1] view needs no
+                                              reshape, a round trip through memory)
 write_rows      ``[B * S]`` int32             pool row the state after token j of sequence
                                               n goes to (-1: not written)
 pool            ``[slots * HV * K, V]``       the pool ``[slots, HV, K, V]`` key-first,
@@ -165,9 +174,9 @@ def build_decode_kernel(
     def row_kept(read_rows: Any, seq: Any) -> tuple[Any, Any]:
         """The pool row sequence ``seq`` starts from (symbolic) and ``[1, V]`` bool:
         whether it reads one (its row is not -1)."""
-        row_in = read_rows[seq]
+        row_in = read_rows[seq, 0]
         pypto.set_vec_tile_shapes(1, 128)
-        row_value = pypto.cast(pypto.view(read_rows, [1], [seq]), fp32).reshape([1, 1])
+        row_value = pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32)
         return row_in, pypto.expand_clone(row_value, [1, dv]) >= 0.0
 
     def start_state(pool: Any, row_in: Any, keep: Any, head: Any) -> Any:
@@ -179,18 +188,20 @@ def build_decode_kernel(
         stored = pypto.cast(stored, fp32) if pool_dtype != "float32" else stored
         return pypto.where(keep, stored, 0.0)
 
-    def token_step(state: Any, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any) -> tuple[Any, Any]:
-        """One token on one value head: the state after it ``[K, V]`` and the output ``[1, V]``."""
+    def token_step(state: Any, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any, qk: Any) -> tuple[Any, Any]:
+        """One token on one value head: the state after it ``[K, V]`` and the output ``[1, V]``,
+        from the state before it, q and k ``[1, K]``, v ``[1, V]``, exp(g) and q . k as
+        ``[1, V]`` rows and beta ``[1, 1]``."""
         pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col = pypto.expand_clone(pypto.transpose(k_t, 0, 1), [dk, dv])
-        q_col = pypto.expand_clone(pypto.transpose(q_t, 0, 1), [dk, dv])
-        state = state * decay
-        kv = (state * k_col).sum(0, keepdim=True)  # S^T k, [1, V]
+        k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
+        q_col = pypto.transpose(q_t, 0, 1)
+        kv = (state * pypto.expand_clone(k_col, [dk, dv])).sum(0, keepdim=True)  # S^T k before the decay
+        sq = (state * pypto.expand_clone(q_col, [dk, dv])).sum(0, keepdim=True)  # S^T q
         pypto.set_vec_tile_shapes(1, 128)
-        u = (v_t - kv) * beta_t
+        u = (v_t - kv * decay) * beta_t
+        o_t = sq * decay + u * qk  # (decayed S + k u^T)^T q
         pypto.set_vec_tile_shapes(state_rows, 128)
-        state = state + k_col * u  # + k u^T
-        o_t = (state * q_col).sum(0, keepdim=True)  # S^T q, [1, V]
+        state = state * decay + pypto.expand_clone(k_col, [dk, dv]) * u
         return state, o_t
 
     def start_states(pool: Any, read_rows: Any, seq: Any, first_head: Any) -> list:
@@ -207,15 +218,15 @@ def build_decode_kernel(
         q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
         k_t = normalised(token_row(k, dk, qk_head * dk, token))
         v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
-        decay_g = pypto.exp(pypto.view(g, [1, heads_per_body], [token, first_head]))  # [1, heads]
         beta_g = pypto.view(beta, [1, heads_per_body], [token, first_head])
+        qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
         new_states = []
         for h in range(heads_per_body):
             pypto.set_vec_tile_shapes(1, 128)
-            decay = pypto.expand_clone(pypto.view(decay_g, [1, 1], [0, h]), [1, dv])
+            decay = pypto.expand_clone(pypto.exp(pypto.view(g, [1, 1], [token, first_head + h])), [1, dv])
             beta_t = pypto.view(beta_g, [1, 1], [0, h])
             v_t = pypto.view(v_g, [1, dv], [0, h * dv])
-            state, o_t = token_step(states[h], q_t, k_t, v_t, decay, beta_t)
+            state, o_t = token_step(states[h], q_t, k_t, v_t, decay, beta_t, qk)
             new_states.append(state)
             pypto.set_vec_tile_shapes(1, 128)
             pypto.assemble(o_t, [token, (first_head + h) * dv], o)
@@ -240,7 +251,7 @@ def build_decode_kernel(
         v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
-        read_rows: pypto.Tensor([batch_bucket], pypto.DT_INT32),
+        read_rows: pypto.Tensor([batch_bucket, 1], pypto.DT_INT32),
         write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
         pool: pypto.Tensor([pool_rows, dv], pool_dt),
         o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),

@@ -219,3 +219,17 @@ def test_step_traces_under_torch_compile_fullgraph() -> None:
             assert_within_tolerance(f"row {row}", pool[row].double(), states[0])
     untouched = [r for r in range(slots) if r != 3]
     assert torch.equal(pool[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_pool_step_op_passes_opcheck() -> None:
+    """``gdr::_pypto_pool_step`` declares its mutation of the pool, and its fake agrees
+    with the real op (torch.library.opcheck: schema, fake tensor, autograd registration,
+    dynamo's AOT dispatch)."""
+    x = make_inputs(seqlens=[1, 1], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype=torch.float32,
+                    seed=7)
+    q, k, v, g, beta = (x[f].reshape(2, 1, *x[f].shape[2:]) for f in ("q", "k", "v", "g", "beta"))
+    pool, _ = make_pool(4, 2, 64, 64, torch.float32, False, 0, seed=8)
+    idx = torch.tensor([2, -1], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.gdr._pypto_pool_step.default,
+                          (q, k, v, g, beta, pool, idx, None, None, None, True, False, True))

@@ -287,7 +287,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     beta = torch.sigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
     slots, rows = _pool_rows(w)
     pad = torch.full((bucket - n,), -1, dtype=torch.int64)
-    read_rows = torch.cat([rows[:, 0], pad]).int()
+    read_rows = torch.cat([rows[:, 0], pad]).int().view(-1, 1)
     write_rows = torch.cat([rows.flatten(), pad.repeat_interleave(s)]).int()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)

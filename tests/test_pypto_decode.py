@@ -135,6 +135,22 @@ def test_bucketed_cache_reuses_one_kernel_for_two_batch_sizes() -> None:
 
 
 @pytest.mark.slow
+def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large batches run all the value heads of a key head in one loop body (one vector
+    task); forced here at a tiny size: two key heads of two value heads each, a
+    speculative step with acceptance, a -1 slot and a -1 start row."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    assert kernel_decode.value_heads_per_body(2, 2, 4) == 2
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([2, 2], 2, [2, 1], heads=(2, 4), rows=[[4, 6], [-1, 9]], nan_rows=(0,), seed=3)
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs"])
 def test_more_configurations(case: str) -> None:
     if case == "k128_v64_fp16_pool":
@@ -145,3 +161,75 @@ def test_more_configurations(case: str) -> None:
         run_case([8, 5], 8, [8, 3], dk=128, dv=128, l2norm=False, slots=20)
     elif case == "fp16_inputs":
         run_case([2, 2], 2, [1, 2], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16),
+                                              (17, 24), (100, 128), (129, 192), (256, 256)])
+def test_batch_buckets_pad_at_most_a_third(num_seqs: int, bucket: int) -> None:
+    from torch_gdr.ops.pypto.decode import batch_bucket
+
+    assert batch_bucket(num_seqs) == bucket
+    assert bucket - num_seqs <= bucket // 3
+
+
+@pytest.mark.parametrize("num_seqs", [0, -3])
+def test_batch_bucket_rejects_an_empty_batch(num_seqs: int) -> None:
+    from torch_gdr.ops.pypto.decode import batch_bucket
+
+    with pytest.raises(ValueError, match=rf"num_seqs: expected a positive int, got {num_seqs}"):
+        batch_bucket(num_seqs)
+
+
+@pytest.mark.slow
+def test_step_traces_under_torch_compile_fullgraph() -> None:
+    """The proxy for capturing the step in a device graph: the public decode call with
+    ``backend="pypto"`` compiles with ``fullgraph=True`` (no graph break: the launch is the
+    op ``gdr::_pypto_pool_step``) into one graph, and the compiled step gives the float64
+    recurrence's outputs and rows, other pool bytes unchanged."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    h, hv, dk, dv, slots = 1, 2, 64, 64, 6
+    x = make_inputs(seqlens=[1, 1], num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=torch.float32,
+                    seed=5)
+    x.pop("cu_seqlens")
+    q, k, v, g, beta = (x[f].reshape(2, 1, *x[f].shape[2:]) for f in ("q", "k", "v", "g", "beta"))
+    pool, _ = make_pool(slots, hv, dk, dv, torch.float32, False, 0, seed=6)
+    before = pool.clone()
+    rows = [3, -1]
+    idx = torch.tensor(rows, dtype=torch.int32)
+
+    def step(q, k, v, g, beta, pool, idx):
+        o, _ = torch_gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=pool,
+                                                          ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+                                                          backend="pypto")
+        return o
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        o = torch.compile(step, fullgraph=True, backend=counter)(q, k, v, g, beta, pool, idx)
+    assert counter.frame_count == 1
+    assert any(node.target is torch.ops.gdr._pypto_pool_step.default
+               for graph in counter.graphs for node in graph.graph.nodes)
+    for n, row in enumerate(rows):
+        state = torch.zeros(hv, dk, dv, dtype=torch.float64) if row < 0 else before[row].double()
+        outs, states = reference_tokens(x, [n], state, None, True)
+        assert_within_tolerance(f"o[{n}]", o[n, 0].double(), outs[0])
+        if row >= 0:
+            assert_within_tolerance(f"row {row}", pool[row].double(), states[0])
+    untouched = [r for r in range(slots) if r != 3]
+    assert torch.equal(pool[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_pool_step_op_passes_opcheck() -> None:
+    """``gdr::_pypto_pool_step`` declares its mutation of the pool, and its fake agrees
+    with the real op (torch.library.opcheck: schema, fake tensor, autograd registration,
+    dynamo's AOT dispatch)."""
+    x = make_inputs(seqlens=[1, 1], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype=torch.float32,
+                    seed=7)
+    q, k, v, g, beta = (x[f].reshape(2, 1, *x[f].shape[2:]) for f in ("q", "k", "v", "g", "beta"))
+    pool, _ = make_pool(4, 2, 64, 64, torch.float32, False, 0, seed=8)
+    idx = torch.tensor([2, -1], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.gdr._pypto_pool_step.default,
+                          (q, k, v, g, beta, pool, idx, None, None, None, True, False, True))

@@ -13,6 +13,15 @@ A key-first pool whose rows are packed (row stride = row size) is read and writt
 place by the kernel. A value-first pool or one with padded rows goes through a packed
 key-first copy of the rows the call touches, written back afterwards.
 
+Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
+returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records
+it as one node. The plain step (equal-length sequences filling their S slots, no
+``cu_seqlens``, a packed key-first pool, NPU index tensors with ``validate=False``) reads
+nothing back to the host and builds no tensor from host data: the row tables and the
+padding come from device ops. What still reads the host: validation of index values
+(always for CPU index tensors, as the semantics say), ``cu_seqlens`` (their lengths), and
+the copy path of a value-first or padded pool (which rows it touches).
+
 On CPU tensors the kernel runs through PyPTO's interpreter (:mod:`.interpreter`); on
 Ascend NPU tensors it is launched on the device.
 """
@@ -72,7 +81,55 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                     state_v_first: bool = False, validate: bool = True,
                     kernel_getter: Optional[KernelGetter] = None) -> Tensor:
-    """The decode step over a state pool through the PyPTO kernel, in place.
+    """The decode step over a state pool through the PyPTO kernel, in place (the arguments
+    of :func:`pool_step_eager`).
+
+    Runs as the op ``gdr::_pypto_pool_step`` (which mutates ``pool`` and returns ``o``), so
+    that ``torch.compile`` records the whole step as one node (its fake gives ``o`` in v's
+    shape and dtype) rather than tracing into the host code, which reads index values
+    and launches the kernel. With a ``kernel_getter`` (benchmarks, tests) it runs eagerly.
+    """
+    if kernel_getter is not None:
+        return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               state_v_first=state_v_first, validate=validate, kernel_getter=kernel_getter)
+    return _pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
+                         None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel), bool(state_v_first),
+                         bool(validate))
+
+
+_POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor ssm_state_indices, "
+                     "Tensor? num_accepted_tokens, Tensor? cu_seqlens, float? scale, bool use_qk_l2norm_in_kernel, "
+                     "bool state_v_first, bool validate) -> Tensor")
+
+
+def _pool_step_op_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
+                       ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                       scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
+                       validate: bool) -> Tensor:
+    return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           state_v_first=state_v_first, validate=validate)
+
+
+_pool_step_op = torch.library.custom_op("gdr::_pypto_pool_step", _pool_step_op_impl, mutates_args=("pool",),
+                                        schema=_POOL_STEP_SCHEMA)
+
+
+@_pool_step_op.register_fake
+def _pool_step_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
+                    ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                    scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
+                    validate: bool) -> Tensor:
+    return torch.empty_like(v)
+
+
+def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                    ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
+                    cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                    state_v_first: bool = False, validate: bool = True,
+                    kernel_getter: Optional[KernelGetter] = None) -> Tensor:
+    """The decode step over a state pool through the PyPTO kernel, in place, eagerly.
 
     Args:
         q, k: ``[B, T, H, K]`` or token-major ``[T, H, K]``; v: ``[B, T, HV, V]`` (``[T, HV,
@@ -134,9 +191,13 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
     read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
-    lengths = torch.tensor(plan.seq_lens, dtype=torch.int64, device=indices.device)
-    in_sequence = torch.arange(width, device=indices.device).view(1, -1) < lengths.view(-1, 1)
-    write_rows = torch.where(in_sequence, indices, torch.full_like(indices, -1))
+    full_width = all(length == width for length in plan.seq_lens)
+    in_sequence = None  # every slot holds a token (the common step: no table built on the host)
+    write_rows = indices
+    if not full_width:
+        lengths = torch.tensor(plan.seq_lens, dtype=torch.int64, device=indices.device)
+        in_sequence = torch.arange(width, device=indices.device).view(1, -1) < lengths.view(-1, 1)
+        write_rows = torch.where(in_sequence, indices, torch.full_like(indices, -1))
 
     # The pool the kernel sees: the caller's (packed key-first rows), or a packed copy of
     # the rows this call touches.
@@ -158,7 +219,7 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
         read_rows, write_rows = local(read_rows), local(write_rows)
     pad_rows = torch.full((bucket - num_seqs,), -1, dtype=torch.int64, device=indices.device)
-    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32)
+    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
                                                                                       dtype=torch.int32)
 
@@ -167,7 +228,7 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     head_v_dim=head_v_dim, tokens_per_seq=width, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
                     scale=scale, input_dtype=_DTYPE_NAMES[in_dtype], pool_dtype=_DTYPE_NAMES[pool.dtype],
                     on_device=device.type == "npu")
-    o = torch.zeros(bucket * width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)
+    o = torch.empty(bucket * width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)  # all written
     pool_rows = work_pool.view(-1, head_v_dim)
     interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, read_in, write_in, pool_rows, o, pool_rows],
                        [_O_ARG, _POOL_OUT_ARG])
@@ -180,7 +241,8 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     else:
         num_tokens = v.numel() // (num_v_heads * head_v_dim)
         out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
-        valid = in_sequence.to(device)
+        valid = in_sequence.to(device) if in_sequence is not None else torch.ones(num_seqs, width, dtype=torch.bool,
+                                                                                   device=device)
         token_ids = slots.view(num_seqs, width)[valid]
         out[token_ids] = o[valid]
         out = out.reshape(v.shape)

@@ -1,20 +1,39 @@
 """The gated delta rule decode step over a state pool as one PyPTO kernel (pypto 0.2.0).
 
-One launch runs the whole batch: every (sequence, value head) pair is an independent
-iteration of one flat loop (parallel work on a 910B: each pair owns its state row), and
-within a pair the S tokens of the sequence (S = 1 for plain decode, up to 8 for
-speculative verification) run one after another on the state row held as a ``[K, V]``
-fp32 tile. Per token, on the vector unit::
+One launch runs the whole batch. The loop bodies are independent: each owns the state
+rows of one sequence on one value head, or on all the value heads of one key head
+(:func:`value_heads_per_body`: one head per body while every pair gets a vector core of
+its own, so a small batch's latency is one pair's; the group once the bodies queue, so q
+and k are read and normalised once and the scheduler meets half the tasks). Within a
+body the S tokens of the sequence (S = 1 for plain decode, up to 8 for speculative
+verification) run one after another on the state rows held as ``[K, V]`` fp32 tiles. Per
+token and value head, on the vector unit, with ``d = exp(g)``::
 
-    S    <- exp(g) S                        decay
-    kv    = S^T k                           matvec: (S * k[:, None]).sum(0)   [1, V]
-    u     = beta (v - kv)
-    S    <- S + k u^T                       rank-1 update                     [K, V]
-    o     = S^T (scale q)                   matvec                            [1, V]
+    kv    = S^T k,   sq = S^T q             two matvecs of the state before the token,
+                                            (S * k[:, None]).sum(0)             [1, V]
+    u     = beta (v - d kv)
+    o     = d sq + (q . k) u                = S'^T q
+    S'    = d S + k u^T                     the decayed state plus the rank-1 update
 
-and the state after the token is stored to the pool row its sequence names for that
-token. Rows are read and written in place through the row tables; a row of -1 reads as
-a zero state and is never written (a symbolic ``if`` on the table entry).
+(q scaled after its norm), and the state after the token is stored to the pool row its
+sequence names for that token. Both matvecs read the state the token starts from, so they
+do not wait for the update, and the update is the state's only other pass. Rows are read
+and written in place through the row tables; a row of -1 reads as a zero state and is
+never written (a symbolic ``if`` on the table entry).
+
+What the cost model charges (bench/RESULTS.md has the figures): pypto splits a body into
+a task per dependency chain and per state tile (about ten dependent vector tasks per
+pair and token, each waiting 5-9k cycles for the scheduler), and submits ten bodies at a
+time by default. So the kernel compiles each body into one vector task
+(``pg_skip_partition``) and submits up to :data:`STITCH_BODIES` bodies at once. Within a
+task, every copy between memory and the unified buffer costs about 1,400 cycles
+whatever its size (32 KiB: 1,750), one after another on the task's copy-in pipe, which
+bounds the task. Hence: each input read straight from memory where it is used (a view of
+an on-chip tensor is a round trip through memory: the decays are read per head rather
+than as one row of the group), the row table two-dimensional (its ``[1, 1]`` view needs
+no reshape, another round trip), and the state tiles at 64 rows (32-row tiles double the
+copies; 128-row fp32 tiles fail in the cost model). What is left: the state's copies
+and a few tiles the unified buffer spills.
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -26,7 +45,9 @@ q, k            ``[B * S, H * K]`` in_dtype   queries, keys; token j of sequence
 v               ``[B * S, HV * V]`` in_dtype  values (value head h reads q/k head
                                               ``h // (HV // H)``)
 g, beta         ``[B * S, HV]`` fp32          log decay, write strength
-read_rows       ``[B]`` int32                 pool row each sequence starts from (-1: zeros)
+read_rows       ``[B, 1]`` int32              pool row each sequence starts from (-1: zeros;
+                                              two-dimensional: its [1, 1] view needs no
+                                              reshape, a round trip through memory)
 write_rows      ``[B * S]`` int32             pool row the state after token j of sequence
                                               n goes to (-1: not written)
 pool            ``[slots * HV * K, V]``       the pool ``[slots, HV, K, V]`` key-first,
@@ -55,11 +76,28 @@ SUPPORTED_INPUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 SUPPORTED_POOL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: Most tokens per sequence in one step (speculative verification width).
 MAX_TOKENS_PER_SEQ = 8
+#: pypto's stitch_function_max_num: loop bodies in one submission (at pypto's default,
+#: ten, the bodies of a step run in waves of ten).
+STITCH_BODIES = 128
 
 
 def _pypto_dtype(name: str) -> Any:
     pypto = import_pypto()
     return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
+
+
+#: Vector cores of the simulated device (Ascend 910B, pypto's A2A3 config).
+VECTOR_CORES = 48
+
+
+def value_heads_per_body(batch_bucket: int, num_qk_heads: int, num_v_heads: int) -> int:
+    """Value heads one loop body (one vector task) runs: 1 while every (sequence, value
+    head) pair gets a vector core of its own (the step's latency is one pair's), else all
+    the value heads of a key head (q and k read and normalised once; half the tasks at
+    HV = 2H, which the scheduler's cost per task favours)."""
+    if batch_bucket * num_v_heads <= VECTOR_CORES:
+        return 1
+    return num_v_heads // num_qk_heads
 
 
 def validate_decode_config(*, batch_bucket: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
@@ -116,91 +154,120 @@ def build_decode_kernel(
     fp32 = pypto.DT_FP32
     in_dt, pool_dt = _pypto_dtype(input_dtype), _pypto_dtype(pool_dtype)
     group = num_v_heads // num_qk_heads
-    num_pairs = batch_bucket * num_v_heads
+    heads_per_body = value_heads_per_body(batch_bucket, num_qk_heads, num_v_heads)
+    bodies_per_seq = num_v_heads // heads_per_body
+    num_bodies = batch_bucket * bodies_per_seq
     num_tokens = batch_bucket * tokens_per_seq
     dk, dv = head_k_dim, head_v_dim
     pool_rows = pypto.DYNAMIC
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
     state_rows = min(dk, 64)  # vector tile rows of the [K, V] state (64 x 128 fp32: 32 KiB)
 
-    def token_row(src: Any, width: int, head: Any, token: Any) -> Any:
-        """Row ``token`` of head ``head`` of ``src [tokens, heads * width]``, fp32 ``[1, width]``."""
-        x = pypto.view(src, [1, width], [token, head * width])
+    def token_row(src: Any, width: int, col: Any, token: Any) -> Any:
+        """Columns ``[col, col + width)`` of row ``token`` of ``src``, fp32 ``[1, width]``."""
+        x = pypto.view(src, [1, width], [token, col])
         return x if input_dtype == "float32" else pypto.cast(x, fp32)
 
     def normalised(x: Any) -> Any:
         return x / pypto.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) if use_qk_l2norm else x
 
-    def start_state(pool: Any, read_rows: Any, seq: Any, head: Any) -> Any:
-        """The state sequence ``seq`` starts from on head ``head``, fp32 ``[K, V]``: its pool
-        row, or zeros for row -1 (row 0 is read in its place and masked out, so a row
-        holding NaN or inf never leaks)."""
-        row_in = read_rows[seq]
+    def row_kept(read_rows: Any, seq: Any) -> tuple[Any, Any]:
+        """The pool row sequence ``seq`` starts from (symbolic) and ``[1, V]`` bool:
+        whether it reads one (its row is not -1)."""
+        row_in = read_rows[seq, 0]
         pypto.set_vec_tile_shapes(1, 128)
-        row_value = pypto.cast(pypto.view(read_rows, [1], [seq]), fp32).reshape([1, 1])
-        keep = pypto.expand_clone(row_value, [1, dv]) >= 0.0  # [1, V]
+        row_value = pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32)
+        return row_in, pypto.expand_clone(row_value, [1, dv]) >= 0.0
+
+    def start_state(pool: Any, row_in: Any, keep: Any, head: Any) -> Any:
+        """The state a sequence starts from on value head ``head``, fp32 ``[K, V]``: its
+        pool row ``row_in``, or zeros where ``keep`` ``[1, V]`` is false (row -1: row 0 is
+        read in its place and masked out, so a row holding NaN or inf never leaks)."""
         pypto.set_vec_tile_shapes(state_rows, 128)
         stored = pypto.view(pool, [dk, dv], [(pypto.max(row_in, 0) * num_v_heads + head) * dk, 0])
         stored = pypto.cast(stored, fp32) if pool_dtype != "float32" else stored
         return pypto.where(keep, stored, 0.0)
 
-    def token_step(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, token: Any, head: Any) -> tuple[Any, Any]:
-        """One token on one value head: the state after it ``[K, V]`` and the output ``[1, V]``."""
-        qk_head = head // group
-        pypto.set_vec_tile_shapes(1, 128)
-        q_t = normalised(token_row(q, dk, qk_head, token)) * scale
-        k_t = normalised(token_row(k, dk, qk_head, token))
-        v_t = token_row(v, dv, head, token)
-        # [1, V] rows broadcast down the state's K rows (an expansion of one axis)
-        decay = pypto.expand_clone(pypto.exp(pypto.view(g, [1, 1], [token, head])), [1, dv])
-        beta_t = pypto.view(beta, [1, 1], [token, head])
+    def token_step(state: Any, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any, qk: Any) -> tuple[Any, Any]:
+        """One token on one value head: the state after it ``[K, V]`` and the output ``[1, V]``,
+        from the state before it, q and k ``[1, K]``, v ``[1, V]``, exp(g) and q . k as
+        ``[1, V]`` rows and beta ``[1, 1]``."""
         pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col = pypto.expand_clone(pypto.transpose(k_t, 0, 1), [dk, dv])
-        q_col = pypto.expand_clone(pypto.transpose(q_t, 0, 1), [dk, dv])
-        state = state * decay
-        kv = (state * k_col).sum(0, keepdim=True)  # S^T k, [1, V]
+        k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
+        q_col = pypto.transpose(q_t, 0, 1)
+        kv = (state * pypto.expand_clone(k_col, [dk, dv])).sum(0, keepdim=True)  # S^T k before the decay
+        sq = (state * pypto.expand_clone(q_col, [dk, dv])).sum(0, keepdim=True)  # S^T q
         pypto.set_vec_tile_shapes(1, 128)
-        u = (v_t - kv) * beta_t
+        u = (v_t - kv * decay) * beta_t
+        o_t = sq * decay + u * qk  # (decayed S + k u^T)^T q
         pypto.set_vec_tile_shapes(state_rows, 128)
-        state = state + k_col * u  # + k u^T
-        o_t = (state * q_col).sum(0, keepdim=True)  # S^T q, [1, V]
+        state = state * decay + pypto.expand_clone(k_col, [dk, dv]) * u
         return state, o_t
 
-    def stored_state(state: Any) -> Any:
-        pypto.set_vec_tile_shapes(state_rows, 128)
-        return state if pool_dtype == "float32" else pypto.cast(state, pool_dt)
+    def start_states(pool: Any, read_rows: Any, seq: Any, first_head: Any) -> list:
+        """The states sequence ``seq`` starts from on the body's value heads, each fp32 ``[K, V]``."""
+        row_in, keep = row_kept(read_rows, seq)
+        return [start_state(pool, row_in, keep, first_head + h) for h in range(heads_per_body)]
+
+    def body_token_step(q: Any, k: Any, v: Any, g: Any, beta: Any, o: Any, states: list, token: Any,
+                        first_head: Any) -> list:
+        """One token on the body's value heads ``first_head + [0, heads_per_body)`` (one key
+        head's): writes their outputs, returns their states."""
+        qk_head = first_head // group
+        pypto.set_vec_tile_shapes(1, 128)
+        q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
+        k_t = normalised(token_row(k, dk, qk_head * dk, token))
+        v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
+        beta_g = pypto.view(beta, [1, heads_per_body], [token, first_head])
+        qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
+        new_states = []
+        for h in range(heads_per_body):
+            pypto.set_vec_tile_shapes(1, 128)
+            decay = pypto.expand_clone(pypto.exp(pypto.view(g, [1, 1], [token, first_head + h])), [1, dv])
+            beta_t = pypto.view(beta_g, [1, 1], [0, h])
+            v_t = pypto.view(v_g, [1, dv], [0, h * dv])
+            state, o_t = token_step(states[h], q_t, k_t, v_t, decay, beta_t, qk)
+            new_states.append(state)
+            pypto.set_vec_tile_shapes(1, 128)
+            pypto.assemble(o_t, [token, (first_head + h) * dv], o)
+        return new_states
+
+    def store_states(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
+        for h, state in enumerate(states):
+            pypto.set_vec_tile_shapes(state_rows, 128)
+            stored = state if pool_dtype == "float32" else pypto.cast(state, pool_dt)
+            pypto.assemble(stored, [(row_out * num_v_heads + first_head + h) * dk, 0], pool_out)
 
     token_offsets = tuple(range(tokens_per_seq))
 
     # The pool is passed twice, as the input the rows are read from and the output they are
     # written to (one tensor read and assembled into in one kernel fails to compile in
     # pypto 0.2.0: F21007); the host passes the same storage for both.
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode})
+    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
+                        pass_options={"pg_skip_partition": True})
     def gdr_decode_kernel(
         q: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
         k: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
         v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
-        read_rows: pypto.Tensor([batch_bucket], pypto.DT_INT32),
+        read_rows: pypto.Tensor([batch_bucket, 1], pypto.DT_INT32),
         write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
         pool: pypto.Tensor([pool_rows, dv], pool_dt),
         o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),
         pool_out: pypto.Tensor([pool_rows, dv], pool_dt),
     ):
-        for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // num_v_heads
-            head = pair % num_v_heads
-            state = start_state(pool, read_rows, seq, head)
-            for j in token_offsets:  # unrolled: the state stays on chip from token to token
+        for body in pypto.loop(num_bodies, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+            seq = body // bodies_per_seq
+            first_head = (body % bodies_per_seq) * heads_per_body
+            states = start_states(pool, read_rows, seq, first_head)
+            for j in token_offsets:  # unrolled: the states stay on chip from token to token
                 token = seq * tokens_per_seq + j
-                state, o_t = token_step(q, k, v, g, beta, state, token, head)
-                pypto.set_vec_tile_shapes(1, 128)
-                pypto.assemble(o_t, [token, head * dv], o)
+                states = body_token_step(q, k, v, g, beta, o, states, token, first_head)
                 row_out = write_rows[token]
                 # (a branch on a symbolic value must stand in the kernel's own body)
                 if row_out >= 0:
-                    pypto.assemble(stored_state(state), [(row_out * num_v_heads + head) * dk, 0], pool_out)
+                    store_states(pool_out, states, row_out, first_head)
 
     return gdr_decode_kernel
 
@@ -222,7 +289,7 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
     state_rows = min(dk, 64)
     token_offsets = tuple(range(s))
 
-    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM})
+    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM, "stitch_function_max_num": STITCH_BODIES})
     def pool_row_copy(
         read_rows: pypto.Tensor([batch], pypto.DT_INT32),
         write_rows: pypto.Tensor([batch * s], pypto.DT_INT32),

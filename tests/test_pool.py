@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 from typing import Callable, Optional
 
 import pytest
@@ -23,6 +24,9 @@ import torch
 
 import torch_gdr
 from torch_gdr import _pool
+from torch_gdr._fallback import PyptoBackendError, PyptoFallbackWarning, reset_warnings
+from torch_gdr.dispatch.registry import select
+from torch_gdr.ops._backend import CallSpec
 from torch_gdr.ops.pypto import is_pypto_available
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
@@ -438,10 +442,28 @@ def test_decode_errors(impl: str, name: str) -> None:
 @needs_pypto
 def test_pypto_decode_refuses_more_than_8_tokens_per_sequence() -> None:
     """The PyPTO decode kernel takes S <= 8 tokens per sequence (``long_spec`` of the decode
-    cases runs on the other backends)."""
-    with pytest.raises(ValueError, match=r"ssm_state_indices: the PyPTO decode kernel takes at most 8 tokens per "
-                                         r"sequence \(S\), got S = 9"):
+    cases runs on the other backends): named, the registry's reason, before any work."""
+    with pytest.raises(PyptoBackendError, match=r"at most 8 tokens per sequence in a step \(ssm_state_indices "
+                                                r"\[N, S\]\), got S = 9"):
         _decode("pypto", lens=(9, 1), idx=torch.arange(18).view(2, 9), pool=lambda dk, dv: make_pool(18, 2, dk, dv)[0])
+
+
+@needs_pypto
+@pytest.mark.parametrize("width, expected", [(8, "pypto"), (9, "torch")])
+def test_wide_pool_step_on_an_npu_falls_back_by_default(width: int, expected: str) -> None:
+    """On an accelerator the default serves a step wider than the decode kernel on torch,
+    with the fallback warning naming the reason (the device is faked in the call's spec: no
+    NPU here)."""
+    spec = CallSpec("pool_step", torch.device("privateuseone"), torch.float32, torch.float32, 128, 128, 32, False,
+                    2 * width, tokens_per_sequence=width)
+    reset_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = select(spec).backend.name
+    assert chosen == expected
+    messages = [str(w.message) for w in caught if issubclass(w.category, PyptoFallbackWarning)]
+    assert bool(messages) == (expected == "torch")
+    assert all("at most 8 tokens per sequence" in m for m in messages)
 
 
 def test_minus1_and_unused_entries_are_not_conflicts() -> None:

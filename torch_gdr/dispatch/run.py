@@ -68,7 +68,10 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     """The step over a state pool, in place, on the backend serving it (the arguments of
     :func:`torch_gdr._pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
     arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None."""
-    selection = select(CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False), backend)
+    spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)
+    if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
+        spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
+    selection = select(spec, backend)
     extra = {}
     if gating is not None and gating.gated:
         if selection.backend.in_kernel_gating:

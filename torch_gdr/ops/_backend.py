@@ -95,6 +95,8 @@ class CallSpec(NamedTuple):
         chunk_size: the caller's chunk size (the step entry passes the smallest, unused).
         needs_grad: autograd records the call (an input requires grad, grad mode on).
         num_tokens: B * T, the tokens of the call.
+        tokens_per_sequence: the pool step's S (``ssm_state_indices [N, S]``: the most tokens
+            one sequence verifies in the step); 1 for every other entry.
     """
 
     entry: str
@@ -106,6 +108,7 @@ class CallSpec(NamedTuple):
     chunk_size: int
     needs_grad: bool
     num_tokens: int
+    tokens_per_sequence: int = 1
 
     @classmethod
     def of(cls, entry: str, q: Tensor, v: Tensor, chunk_size: int, needs_grad: bool) -> "CallSpec":

@@ -27,7 +27,11 @@ def _reasons(call: CallSpec) -> list[Reason]:
     if not _pypto_installed():
         return [Reason("pypto is not installed (pip install 'torch_gdr[npu]', which brings pypto==0.2.0)",
                        kind="missing")]
-    return []
+    reasons = []
+    if call.entry == "pool_step" and call.tokens_per_sequence > spec.MAX_STEP_TOKENS:
+        reasons.append(Reason(f"the PyPTO decode kernel takes at most {spec.MAX_STEP_TOKENS} tokens per sequence "
+                              f"in a step (ssm_state_indices [N, S]), got S = {call.tokens_per_sequence}"))
+    return reasons
 
 
 BACKEND = Backend(

@@ -69,13 +69,12 @@ from torch_gdr._layout import L2NORM_EPS  # the in-kernel l2 norm's epsilon
 
 from ._env import import_pypto
 from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from .spec import MAX_STEP_TOKENS as MAX_TOKENS_PER_SEQ
 
 #: Input dtypes of q, k and v the kernel reads itself.
 SUPPORTED_INPUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 #: Pool dtypes the kernel reads and writes (states are computed in fp32, rounded on store).
 SUPPORTED_POOL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-#: Most tokens per sequence in one step (speculative verification width).
-MAX_TOKENS_PER_SEQ = 8
 #: pypto's stitch_function_max_num: loop bodies in one submission (at pypto's default,
 #: ten, the bodies of a step run in waves of ten).
 STITCH_BODIES = 128

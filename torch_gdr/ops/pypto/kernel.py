@@ -153,6 +153,24 @@ NUM_MASKS = 5
 #: tokens, 4 value heads). Above it, the scheduler's cost per task favours 128.
 SMALL_LAUNCH_BODIES = 16
 
+#: Value heads of one sequence that one loop body runs side by side, largest first: pypto
+#: merges their identical cube work into one task (``cube_nbuffer_setting``), a quarter of
+#: the cube tasks at 4, each four times longer. Worth it when the launch still has at least
+#: :data:`MIN_MERGED_BODIES` bodies; below, the longer tasks lengthen the chain that bounds
+#: a small launch (measured: one sequence of 256 tokens at HV=4 costs 1.8x with 4).
+HEADS_PER_BODY_CHOICES = (4, 2)
+MIN_MERGED_BODIES = 16
+
+
+def heads_per_body(num_seqs: int, num_v_heads: int) -> int:
+    """How many value heads one loop body of the forward kernel runs (see
+    :data:`HEADS_PER_BODY_CHOICES`): the largest choice dividing ``num_v_heads`` that leaves
+    at least :data:`MIN_MERGED_BODIES` bodies, else 1."""
+    for count in HEADS_PER_BODY_CHOICES:
+        if num_v_heads % count == 0 and num_seqs * num_v_heads // count >= MIN_MERGED_BODIES:
+            return count
+    return 1
+
 
 def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_seqs: int,
                       num_v_heads: int) -> int:
@@ -482,6 +500,7 @@ def build_gdr_kernel(
     chunk_rows = pypto.DYNAMIC
     group = num_v_heads // num_qk_heads
     num_pairs = num_seqs * num_v_heads
+    body_heads = heads_per_body(num_seqs, num_v_heads)
     n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
@@ -572,11 +591,13 @@ def build_gdr_kernel(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
-        # Cube subgraphs that load the same operand share a task (the two [S; I] products).
+        # Cube subgraphs that load the same operand share a task (the two [S; I] products),
+        # and the identical cube subgraphs of a body's value heads one task (cube_nbuffer).
         # pg_upper_bound (marked deprecated, still read by 0.2.0's partitioner) lifts the cap
         # on a merged subgraph's size: the solve's chain of matmuls becomes two cube tasks
         # rather than four (bench/RESULTS.md has the cost model's figures).
-        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
+        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_nbuffer_setting": {-1: max(HEADS_PER_BODY_CHOICES)},
+                      "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
     )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
@@ -599,33 +620,37 @@ def build_gdr_kernel(
         # [S; I] products (K + V = 256) load their operands once.
         pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
 
-        for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // num_v_heads
-            head = pair % num_v_heads
+        for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+            seq = (body * body_heads) // num_v_heads
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
             # Both views are written in the chunk loop, so pypto copies them into buffers of
             # the pair's own (the pair body's three copy tasks) and the chunks update those.
-            # (Several heads per body, or reading the inputs without a vector op of their own
-            # (the ticket add, a cast or "+ 0.0"), fail in pypto 0.2.0's runtime model: F74007.)
-            state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
-            ticket_row = pypto.view(ticket, [l, 128], [pair * l, 0])
-            inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
+            # (Reading the inputs without a vector op of their own (the ticket add, a cast or
+            # "+ 0.0") fails in pypto 0.2.0's runtime model: F74007.)
+            heads, states, tickets = [], [], []
+            for j in range(body_heads):
+                pair = body * body_heads + j
+                heads.append(pair % num_v_heads)
+                states.append(pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0]))
+                tickets.append(pypto.view(ticket, [l, 128], [pair * l, 0]))
             outputs = [o, state_out, chunk_states]
             for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
                 chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                if pypto.is_loop_begin(step):
-                    if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True)
+                for head, state, ticket_row in zip(heads, states, tickets):
+                    inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
+                    if pypto.is_loop_begin(step):
+                        if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True)
                     else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True)
-                else:
-                    if pypto.is_loop_end(step):
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False)
-                    else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False)
+                        if pypto.is_loop_end(step):
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False)
 
     return gdr_fwd_kernel

@@ -124,6 +124,22 @@ def test_chunk_128_head_dim_128_gva() -> None:
     assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
 
 
+@pytest.mark.parametrize("body_heads", [4, 2])
+def test_several_value_heads_per_loop_body(body_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop body that runs several value heads side by side (what saturating launches get,
+    see :func:`heads_per_body`), forced here on a small launch: GVA with two q/k heads per
+    body at 4, uneven sequences with a tail chunk and an initial state."""
+    monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
+    monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (body_heads,))
+    assert pypto_kernel.heads_per_body(2, 8) == body_heads
+    kernel_cache.cache_clear()
+    try:
+        inputs = make_inputs([150, 40], num_qk_heads=2, num_v_heads=8, with_initial_state=True, seed=3)
+        assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
+    finally:
+        kernel_cache.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
     """K=64, V=128; q, k, v in half precision go to the kernel as they are. The reference

@@ -118,6 +118,8 @@ products start.
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -146,6 +148,10 @@ MASK_IDENTITY = 2
 MASK_BASE_BLOCKS = 3  # strictly lower part of the 16 x 16 diagonal blocks
 MASK_OFF_BLOCKS = 4  # strictly lower, outside the 16 x 16 diagonal blocks
 NUM_MASKS = 5
+
+#: Merge scope ids of a body's value head j: ``SCOPE_STRIDE * (j + 1)`` and up (see
+#: :func:`one_vector_task`).
+SCOPE_STRIDE = 10
 
 
 #: A launch with at most this many (sequence, value head, chunk of 64) bodies runs faster at
@@ -314,8 +320,10 @@ def _pypto_dtype(name: str) -> Any:
     return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
 
 
-def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
-    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only.
+def _solve_unit_lower(n1: Any, off: Any, first_factor: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
+    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only,
+    from ``n1`` and ``off``, the parts of a inside and outside the 16 x 16 diagonal blocks,
+    and ``first_factor = I - n1`` (the caller's vector task computes them).
 
     With ``N`` the strictly lower part of the 16 x 16 diagonal blocks of a and ``L`` the
     rest (strictly block-lower), ``I + a = D (I + G)`` with ``D = I + N``,
@@ -333,13 +341,11 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     eye = masks[MASK_IDENTITY]
-    n1 = a * masks[MASK_BASE_BLOCKS]
-    off = a * masks[MASK_OFF_BLOCKS]
     n2 = pypto.matmul(n1, n1, fp32)
     n4 = pypto.matmul(n2, n2, fp32)
     n8 = pypto.matmul(n4, n4, fp32)
     f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
-    d_inv = pypto.matmul(pypto.matmul(eye - n1, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
+    d_inv = pypto.matmul(pypto.matmul(first_factor, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
     levels = num_block_levels(chunk_size)
     if levels == 0:
         return pypto.matmul(d_inv, rhs, fp32)
@@ -413,42 +419,71 @@ def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
     return gamma, pypto.exp(exponent) * masks[MASK_LOWER], decay_out
 
 
+@contextlib.contextmanager
+def one_vector_task(scope: int) -> Iterator[None]:
+    """Trace the vector operations inside as one task: pypto's manual merge scope
+    (``sg_set_scope``: connected operations of one non-negative scope id become one
+    subgraph; a matmul never joins one). The scheduler's cost is per task whatever the
+    task's work, so each stage of a chunk's vector work is one task rather than one per
+    short chain of operations."""
+    pypto = import_pypto()
+    pypto.set_pass_options(sg_set_scope=scope)
+    try:
+        yield
+    finally:
+        pypto.set_pass_options(sg_set_scope=-1)
+
+
 def _chunk_terms(
     q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
-    use_qk_l2norm: bool, chunk_size: int, vec_rows: int,
+    use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any,
 ) -> tuple[Any, Any]:
     """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, ``beta * v``
-    ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``."""
+    ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``.
+    ``masks``: the ``MASK_*`` tiles; ``gram_masks``: ``[lower; strict lower]`` ``[2l, l]``.
+
+    The vector work before the first product is traced in merge scope ``scope`` (the
+    caller's reads join it), that between the products in ``scope + 1`` and up."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
+    l = chunk_size  # noqa: E741
     pypto.set_vec_tile_shapes(vec_rows, 128)
-    if use_qk_l2norm:
-        q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
-        k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
-    q = q * scale
-
-    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
-    gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
-    decay_in = pypto.exp(gamma)  # [l, 1]
-
-    k_beta = k * beta
-    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
-    rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
-    wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
-    qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
-    k_out = k * decay_out  # [l, K]
-    chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
-    eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
+    with one_vector_task(scope):
+        if use_qk_l2norm:
+            q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
+            k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+        q = q * scale
+        gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+        gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
+        decay_in = pypto.exp(gamma)  # [l, 1]
+        decay_pairs = pypto.exp(exponent)
+        decay_stacked = pypto.concat([decay_pairs, decay_pairs], dim=0)  # [2l, l]
+        k_beta = k * beta
+        q_kbeta = pypto.concat([q, k_beta], dim=0)  # [2l, K]: one product gives Q K^T and diag(beta) K K^T
+        rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
+        k_out = k * decay_out  # [l, K]
+        chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
+        eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
+        lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
+        q_in = q * decay_in
+    gram = pypto.matmul(q_kbeta, k, fp32, b_trans=True)  # [Q K^T; diag(beta) K K^T], [2l, l]
+    with one_vector_task(scope + 1):
+        gram = gram * decay_stacked * gram_masks  # [P; A] in one pass
+        qk = pypto.view(gram, [l, l], [0, 0])  # P
+        a = pypto.view(gram, [l, l], [l, 0])
+        lhs_qo = pypto.concat([qk, q_in], dim=1)  # [l, l + K]
+        n1 = a * masks[MASK_BASE_BLOCKS]
+        off = a * masks[MASK_OFF_BLOCKS]
+        first_factor = masks[MASK_IDENTITY] - n1
+    wu = _solve_unit_lower(n1, off, first_factor, rhs, masks, chunk_size)  # [-W | U]
     # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (A scratch
     # kernel input in its place is faster, but pypto's interpreter then reads it before the
     # write.)
     y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
     y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
-    lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
     mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
-    lhs_qo = pypto.concat([qk, q * decay_in], dim=1)  # [l, l + K]
     qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
     return mb, qo
 
@@ -531,14 +566,26 @@ def build_gdr_kernel(
             x = x + 0.0
         return x if weight is None else x * weight
 
+    def load_gates(g_in: Any, beta_in: Any, head: Any, start: Any, rows: Any, tail: bool) -> tuple[Any, Any]:
+        """The chunk's log decays g and write strengths beta of value head ``head``, each fp32
+        ``[l, 1]``, zero past ``rows`` for a tail (where in-kernel gating would compute them)."""
+        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        if tail:
+            g_c = pypto.fillpad(g_c, "constant", 0.0)
+            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        return g_c, beta_c
+
     def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any,
-                   rows: Any, tail: bool, first: bool) -> None:
+                   rows: Any, tail: bool, first: bool, scope: int) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
         Full chunks read all l rows; the tail chunk (the window's last) zero-fills past
         ``rows``, writes only its valid output rows and writes its state to ``state_out``
         rather than back to ``state``. The values are read already weighted by beta. Every chunk but the window's first (``first``) reads after the previous
-        chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g,
+        chunk's key read (the ticket); the first starts at once. The vector work before the
+        first product is one task (merge scope ``scope``; ``scope + 1``... for the later
+        stages: distinct per value head of a body). ``inputs``: q, k, v, g,
         beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile; ``outputs``: o,
         state_out, chunk_states."""
         q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
@@ -546,11 +593,14 @@ def build_gdr_kernel(
         pair = seq * num_v_heads + head
         qk_head = head // group
         order = None if first else ticket_in
+        if output_chunk_states:
+            entering = pypto.view(state, [dk, dv], [0, 0])
+            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
+                           chunk_states_out)
+        # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
         q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
         k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
-        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        if tail:
-            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail)
         v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
         zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
@@ -558,20 +608,15 @@ def build_gdr_kernel(
             zeros = pypto.concat([zeros] * (dv // dk), dim=1)
         ticket_in[0:l, 0:max(dk, dv)] = zeros
         pypto.set_vec_tile_shapes(vec_rows, 128)
-        mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
-        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
-        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        if output_chunk_states:
-            entering = pypto.view(state, [dk, dv], [0, 0])
-            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
-                           chunk_states_out)
-        if tail:
-            g_c = pypto.fillpad(g_c, "constant", 0.0)
         if not first:
             g_c = g_c + pypto.view(ticket_in, [l, 1], [0, 0])  # the decay work waits its turn too
+        mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
+        gram_masks = pypto.view(masks_in, [2 * l, l], [MASK_LOWER * l, 0])
+        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
         mb, qo = _chunk_terms(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
-            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows, scope=scope,
+            gram_masks=gram_masks,
         )
         if tail:  # the product then has the valid rows only, and the cube writes just those
             # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)
@@ -640,17 +685,18 @@ def build_gdr_kernel(
                 chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                for head, state, ticket_row in zip(heads, states, tickets):
+                for j, head, state, ticket_row in zip(range(body_heads), heads, states, tickets):
+                    scope = SCOPE_STRIDE * (j + 1)
                     inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
                     if pypto.is_loop_begin(step):
                         if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True)
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True, scope)
                         else:
-                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True)
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True, scope)
                     else:
                         if pypto.is_loop_end(step):
-                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False)
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False, scope)
                         else:
-                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False)
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False, scope)
 
     return gdr_fwd_kernel

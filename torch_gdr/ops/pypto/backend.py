@@ -23,10 +23,21 @@ def _pypto_installed() -> bool:
     return _env.is_pypto_available()
 
 
+#: Head dims above this do not fit the kernels' on-chip buffers (see :func:`_reasons`).
+LARGEST_HEAD_DIM_ON_CHIP = 128
+
+
 def _reasons(call: CallSpec) -> list[Reason]:
     if not _pypto_installed():
         return [Reason("pypto is not installed (pip install 'torch_gdr[npu]', which brings pypto==0.2.0)",
                        kind="missing")]
+    if max(call.head_k_dim, call.head_v_dim) > LARGEST_HEAD_DIM_ON_CHIP:
+        # Tried at K = V = 256 in pypto 0.2.0's compiler (910B model): the forward's merged
+        # vector tasks and its [I | 0] block (512 KiB) exceed the 192 KiB unified buffer
+        # ("exceeds MEM_UB"); split into smaller tasks and copies, its runtime model fails (F74007).
+        return [Reason(f"K = {call.head_k_dim}, V = {call.head_v_dim}: head dims above {LARGEST_HEAD_DIM_ON_CHIP} "
+                       f"do not fit the PyPTO kernels' on-chip buffers (a 192 KiB unified buffer per vector "
+                       f"core on the 910B)")]
     return []
 
 

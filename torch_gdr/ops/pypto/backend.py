@@ -32,9 +32,10 @@ def _reasons(call: CallSpec) -> list[Reason]:
         return [Reason("pypto is not installed (pip install 'torch_gdr[npu]', which brings pypto==0.2.0)",
                        kind="missing")]
     if max(call.head_k_dim, call.head_v_dim) > LARGEST_HEAD_DIM_ON_CHIP:
-        # Tried at K = V = 256 in pypto 0.2.0's compiler (910B model): the forward's merged
-        # vector tasks and its [I | 0] block (512 KiB) exceed the 192 KiB unified buffer
-        # ("exceeds MEM_UB"); split into smaller tasks and copies, its runtime model fails (F74007).
+        # Tried at K = V = 256 in pypto 0.2.0's compiler (910B model): the forward's [I | 0]
+        # block (512 KiB in one copy) and its merged vector tasks exceed the 192 KiB unified
+        # buffer ("exceeds MEM_UB", "not enough memory"); with both split up it compiles, but
+        # pypto's cost model then fails to simulate it (ParseInput BuildFunction), so no cycles.
         return [Reason(f"K = {call.head_k_dim}, V = {call.head_v_dim}: head dims above {LARGEST_HEAD_DIM_ON_CHIP} "
                        f"do not fit the PyPTO kernels' on-chip buffers (a 192 KiB unified buffer per vector "
                        f"core on the 910B)")]

@@ -94,7 +94,11 @@ queued behind every later chunk's independent ones.
 
 The sequence x value-head loop is one flat loop (independent work, overlapped by the cost
 model through data dependencies; ``parallel=True`` documents intent, pypto 0.2.0 ignores
-it); the chunk loop carries the state and is sequential.
+it); the chunk loop carries the state and is sequential. A body runs several value heads
+of one sequence side by side where the launch has enough of them
+(:func:`heads_per_body`): pypto merges their identical cube work into one task
+(``cube_nbuffer_setting``), and the vector work of each head's chunk before its first
+product is one task (a merge scope, :func:`one_vector_task`).
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 
@@ -109,11 +113,12 @@ in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 
 buffer holds 192 KiB).
 
 What bounds it in pypto 0.2.0's cost model (bench/RESULTS.md has the figures): with many
-chunks in flight, the cores' idle time between tasks (a cube core waits about 6k to 10k
-cycles for its next task while ready work queues), hence fewer, larger tasks; a cube task
-is mostly data movement (the cube pipes are busy about 13% of the time). With few
-chunks, the first chunk's chain of about a dozen dependent tasks before the serial state
-products start.
+chunks in flight, the scheduler's cost per task (its CPUs poll the cores nearly all the
+time; with several heads a body the vector tasks wait in its ready queue), hence fewer,
+larger tasks; and a cube task is mostly data movement (each matmul's operands and result
+pass through DDR; the cube pipes are busy about a quarter of the time). With few chunks,
+the first chunk's chain of about a dozen dependent tasks before the serial state products
+start.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -436,19 +441,25 @@ def one_vector_task(scope: int) -> Iterator[None]:
 
 def _chunk_terms(
     q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
-    use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any,
+    use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any, merged: bool,
 ) -> tuple[Any, Any]:
     """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, ``beta * v``
     ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``.
     ``masks``: the ``MASK_*`` tiles; ``gram_masks``: ``[lower; strict lower]`` ``[2l, l]``.
 
-    The vector work before the first product is traced in merge scope ``scope`` (the
-    caller's reads join it), that between the products in ``scope + 1`` and up."""
+    With ``merged`` (a body of several value heads), the vector work before the first
+    product is one task (merge scope ``scope``), ``Q K^T`` and ``diag(beta) K K^T`` are one
+    stacked product and their masking one task (``scope + 1``). Without (one value head a
+    body), the form of before (:func:`_chunk_terms_separate`): the merge scopes there make
+    pypto 0.2.0's cost model fail (ParseInput BuildFunction, at T = 1024, HV = 4)."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
     l = chunk_size  # noqa: E741
     pypto.set_vec_tile_shapes(vec_rows, 128)
+    if not merged:
+        return _chunk_terms_separate(q, k, v_beta, g, beta, masks, eye_pad_t, scale=scale,
+                                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     with one_vector_task(scope):
         if use_qk_l2norm:
             q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
@@ -484,6 +495,41 @@ def _chunk_terms(
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
     y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
     mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
+    qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
+    return mb, qo
+
+
+def _chunk_terms_separate(
+    q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
+    use_qk_l2norm: bool, chunk_size: int,
+) -> tuple[Any, Any]:
+    """:func:`_chunk_terms` for a body of one value head: two Gram products, no merge scopes."""
+    pypto = import_pypto()
+    fp32 = pypto.DT_FP32
+    head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
+    if use_qk_l2norm:
+        q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
+        k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+    q = q * scale
+    gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+    gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
+    decay_in = pypto.exp(gamma)  # [l, 1]
+    k_beta = k * beta
+    a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
+    rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
+    n1 = a * masks[MASK_BASE_BLOCKS]
+    off = a * masks[MASK_OFF_BLOCKS]
+    wu = _solve_unit_lower(n1, off, masks[MASK_IDENTITY] - n1, rhs, masks, chunk_size)  # [-W | U]
+    qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
+    k_out = k * decay_out  # [l, K]
+    chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
+    eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
+    y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
+    y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
+    y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
+    lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
+    mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
+    lhs_qo = pypto.concat([qk, q * decay_in], dim=1)  # [l, l + K]
     qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
     return mb, qo
 
@@ -566,14 +612,20 @@ def build_gdr_kernel(
             x = x + 0.0
         return x if weight is None else x * weight
 
-    def load_gates(g_in: Any, beta_in: Any, head: Any, start: Any, rows: Any, tail: bool) -> tuple[Any, Any]:
+    def load_gates(g_in: Any, beta_in: Any, head: Any, start: Any, rows: Any, tail: bool,
+                   g_tile_rows: int) -> tuple[Any, Any]:
         """The chunk's log decays g and write strengths beta of value head ``head``, each fp32
-        ``[l, 1]``, zero past ``rows`` for a tail (where in-kernel gating would compute them)."""
-        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        ``[l, 1]``, zero past ``rows`` for a tail (where in-kernel gating would compute them).
+        beta's fill runs in the reads' tiles (it weights v), g's in ``g_tile_rows`` rows: the
+        chunk's (one head a body: a task fewer) or the reads' (several: the other makes
+        pypto 0.2.0's cost model fail at 16 x 256, HV = 4)."""
         beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
         if tail:
-            g_c = pypto.fillpad(g_c, "constant", 0.0)
+            pypto.set_vec_tile_shapes(io_rows, 128)
             beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+            pypto.set_vec_tile_shapes(g_tile_rows, 128)
+            g_c = pypto.fillpad(g_c, "constant", 0.0)
         return g_c, beta_c
 
     def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any,
@@ -600,7 +652,7 @@ def build_gdr_kernel(
         # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
         q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
         k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
-        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail)
+        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail, io_rows if body_heads > 1 else vec_rows)
         v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
         zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
@@ -616,7 +668,7 @@ def build_gdr_kernel(
         mb, qo = _chunk_terms(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows, scope=scope,
-            gram_masks=gram_masks,
+            gram_masks=gram_masks, merged=body_heads > 1,
         )
         if tail:  # the product then has the valid rows only, and the cube writes just those
             # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)

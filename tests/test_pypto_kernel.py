@@ -124,6 +124,7 @@ def test_chunk_128_head_dim_128_gva() -> None:
     assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body_heads", [4, 2])
 def test_several_value_heads_per_loop_body(body_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop body that runs several value heads side by side (what saturating launches get,

@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test test-slow bench bench-baseline bench-compare bench-npu clean
+.PHONY: run test test-slow bench bench-baseline bench-compare bench-npu bench-npu-saturating clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ BENCH_NPU_FLAGS ?=
 
 bench-npu: $(VENV)/.installed
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) bench/pypto_cost_model.py --suite --append bench/RESULTS.md $(BENCH_NPU_FLAGS)
+
+# The saturating shapes (H16/HV32 8 x 1024, H16/HV16 4 x 4096), forward, fp32 then bf16;
+# BENCH_NPU_FLAGS=--backward for the backward (each backward row needs ~9 GB of host memory).
+bench-npu-saturating: $(VENV)/.installed
+	for dtype in float32 bfloat16; do \
+		OMP_NUM_THREADS=1 nice -n 10 $(PY) bench/pypto_cost_model.py --suite saturating --dtype $$dtype \
+			--append bench/RESULTS.md $(BENCH_NPU_FLAGS) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

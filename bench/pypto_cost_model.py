@@ -12,6 +12,7 @@ Examples::
     python bench/pypto_cost_model.py --lens 4096 --heads 2 --v-heads 4 --head-dim 128 --out /tmp/cm
     python bench/pypto_cost_model.py --lens 256,256,256,256 --chunk 64 --out /tmp/cm16
     python bench/pypto_cost_model.py --suite --append bench/RESULTS.md --out /tmp/cm_suite
+    python bench/pypto_cost_model.py --suite saturating --dtype bfloat16 --out /tmp/cm_sat
 
 ``--out DIR`` keeps pypto's SIM output (``CostModelSimulationOutput/`` with the stat
 report and the per-core swim lanes) under DIR and writes ``DIR/result.json``. Without
@@ -61,6 +62,12 @@ SUITE: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("T=16384", (16384,)),
     ("16 x 256", (256,) * 16),
     ("16 x 1024", (1024,) * 16),
+)
+#: ``make bench-npu-saturating`` (``--suite saturating``): (label, lengths, H, HV), shapes with
+#: enough (sequence, value head) chains to keep every core of the device busy.
+SATURATING_SUITE: tuple[tuple[str, tuple[int, ...], int, int], ...] = (
+    ("8 x 1024, H16/HV32", (1024,) * 8, 16, 32),
+    ("4 x 4096, H16/HV16", (4096,) * 4, 16, 16),
 )
 
 
@@ -169,8 +176,8 @@ def _number(pattern: str, text: str) -> float | None:
 
 
 def parse_report(text: str) -> dict[str, float | None]:
-    """Total cycles, submitted tasks and the average cube / vector pipe usage (% of the
-    makespan), from a ``_simulate.stat.report.txt``."""
+    """Total cycles, submitted tasks and the average cube / vector pipe and DDR-in copy
+    (MTE_IN) usage (% of the makespan), from a ``_simulate.stat.report.txt``."""
     cycles = _number(r"Total Cycles\D*(\d[\d,]*)", text)
     if cycles is None:
         raise RuntimeError("no 'Total Cycles' in the cost-model report:\n" + text[:2000])
@@ -179,7 +186,60 @@ def parse_report(text: str) -> dict[str, float | None]:
         tasks=_number(r"Total Submit Tasks\D*(\d+)", text),
         cube_pipe_pct=_number(r"Average Cube Usage\D*[\d.]+\s+([\d.]+)%", text),
         vector_pipe_pct=_number(r"Average Vector Usage\D*[\d.]+\s+([\d.]+)%", text),
+        mte_in_pct=_number(r"Average MTE_IN Usage\D*[\d.]+\s+([\d.]+)%", text),
     )
+
+
+def algorithm_macs_per_chunk_head(chunk_size: int, head_k_dim: int, head_v_dim: int) -> int:
+    """Multiply-accumulates the chunked algorithm needs per chunk of l tokens and value head.
+
+    ``Q K^T``, ``K K^T`` (``l^2 K`` each), ``W`` (``l^2 K``), ``U`` (``l^2 V``), ``W S``,
+    ``Q S``, ``K^T V'`` (``l K V`` each), ``P V'`` (``l^2 V``) and the triangular inverse
+    (``l^3 / 6``): ``3 l^2 K + 2 l^2 V + 3 l K V + l^3 / 6``; 8.17 x 128^3 at l = K = V = 128.
+    """
+    l, dk, dv = chunk_size, head_k_dim, head_v_dim
+    return 3 * l * l * dk + 2 * l * l * dv + 3 * l * dk * dv + l ** 3 // 6
+
+
+_TILE = re.compile(r'^\s*(T\d+) \[label="Tile\\n\d+ (\w+?)_\[[^]]*\]\[(\d+),(\d+)\]')
+_MATMUL = re.compile(r'^\s*(N\d+) \[label="TileOp\\nopmagic:\d+\\nopcode:A_MUL(?:ACC)?_B\\n')
+_EDGE = re.compile(r'^\s*(\w+) -> (\w+);')
+
+
+def leaf_function_macs(graph_dot: str) -> tuple[int | None, int]:
+    """The function hash of one of the cost model's leaf graphs (``graphs/*_graph.dot``) and
+    the multiply-accumulates of its matmul tile ops: ``m k n = sqrt(|A| |B| |C|)`` from the
+    element counts of each op's two input tiles and its output tile (L0A, L0B, L0C)."""
+    found = re.search(r"hash:(\d+)", graph_dot)
+    tiles, matmuls, inputs, outputs = {}, set(), {}, {}
+    for line in graph_dot.splitlines():
+        if (m := _TILE.match(line)) is not None:
+            tiles[m.group(1)] = (m.group(2), int(m.group(3)) * int(m.group(4)))
+        elif (m := _MATMUL.match(line)) is not None:
+            matmuls.add(m.group(1))
+        elif (m := _EDGE.match(line)) is not None:
+            inputs.setdefault(m.group(2), []).append(m.group(1))
+            outputs.setdefault(m.group(1), []).append(m.group(2))
+    macs = 0
+    for op in matmuls:
+        operands = dict(tiles[t] for t in inputs.get(op, []) + outputs.get(op, []) if t in tiles)
+        if {"L0A", "L0B", "L0C"} <= operands.keys():
+            macs += round((operands["L0A"] * operands["L0B"] * operands["L0C"]) ** 0.5)
+    return (None if found is None else int(found.group(1))), macs
+
+
+def executed_macs(report: Path) -> int | None:
+    """Multiply-accumulates of every task the cost model ran for one launch: each task's leaf
+    function (``tmp_topo_json.json`` beside the SIM output) times that function's matmul MACs
+    (:func:`leaf_function_macs`), over the tasks in ``_simulate.swim.json``."""
+    sim = report.parent
+    topo_file, swim_file = sim.parent / "tmp_topo_json.json", sim / "_simulate.swim.json"
+    if not topo_file.exists() or not swim_file.exists():
+        return None
+    per_function = dict(leaf_function_macs(f.read_text()) for f in (sim / "graphs").glob("*_graph.dot"))
+    function_of = {(t["seqNo"], t["taskId"]): t["funcHash"] for t in json.loads(topo_file.read_text())}
+    return sum(per_function.get(function_of.get((t["seqNo"], t["taskId"])), 0) or 0
+               for core in json.loads(swim_file.read_text()) for t in core["tasks"])
 
 
 def core_busy_shares(swim_json: Path) -> dict[str, float]:
@@ -212,6 +272,7 @@ def simulate_launches(kernel: Any, launches: list[list[torch.Tensor]], out: Path
         figures = parse_report(reports[-1].read_text())
         swim = reports[-1].parent / "_simulate.swim.json"
         figures.update(core_busy_shares(swim) if swim.exists() else dict(cube_busy_pct=None, vector_busy_pct=None))
+        figures["macs"] = executed_macs(reports[-1])
         figures["report"] = str(reports[-1])
         per_launch.append(figures)
     return per_launch
@@ -235,12 +296,21 @@ def run_cost_model(w: Workload, out: Path, launch: Launch = forward_launch) -> d
         return round(sum(f[key] * f["total_cycles"] for f in per_launch) / max(cycles, 1), 2)
 
     tasks = None if any(f["tasks"] is None for f in per_launch) else int(sum(f["tasks"] for f in per_launch))
+    chunk = w.kernel_chunk()
+    chunk_heads = sum(-(-n // chunk) for n in w.lens) * w.v_heads
+    macs = None if any(f["macs"] is None for f in per_launch) else sum(f["macs"] for f in per_launch)
+    algorithm_macs = chunk_heads * algorithm_macs_per_chunk_head(chunk, w.head_k_dim, w.head_v_dim)
     result = dict(
-        workload=asdict(w), tokens=w.tokens, chunk_size=w.kernel_chunk(), total_cycles=cycles,
+        workload=asdict(w), tokens=w.tokens, chunk_size=chunk, total_cycles=cycles,
         us=round(cycles / CYCLES_PER_US, 1), cycles_per_token=round(cycles / max(w.tokens, 1), 1),
-        tasks=tasks, launches=len(per_launch),
+        cycles_per_vht=round(cycles / max(w.tokens * w.v_heads, 1), 2),
+        tasks=tasks, launches=len(per_launch), chunk_heads=chunk_heads,
+        tasks_per_chunk_head=None if tasks is None else round(tasks / max(chunk_heads, 1), 2),
+        executed_macs=macs, algorithm_macs=algorithm_macs,
+        macs_ratio=None if macs is None else round(macs / max(algorithm_macs, 1), 2),
         cube_busy_pct=weighted("cube_busy_pct"), vector_busy_pct=weighted("vector_busy_pct"),
         cube_pipe_pct=weighted("cube_pipe_pct"), vector_pipe_pct=weighted("vector_pipe_pct"),
+        mte_in_pct=weighted("mte_in_pct"),
         report=per_launch[-1]["report"], reports=[f["report"] for f in per_launch],
         compile_and_model_s=round(seconds, 1),
     )
@@ -339,28 +409,32 @@ def run_decode_cost_model(w: DecodeWorkload, out: Path) -> dict[str, Any]:
 
 def format_result(label: str, r: dict[str, Any]) -> str:
     return (f"{label}: {r['total_cycles']:,} cycles, {r['us']:,} us, {r['cycles_per_token']} cycles/token, "
-            f"{r['tasks']} tasks, cores busy: cube {r['cube_busy_pct']}%, vector {r['vector_busy_pct']}% "
-            f"(pipes: cube {r['cube_pipe_pct']}%, vector {r['vector_pipe_pct']}%), "
-            f"chunk {r['chunk_size']}, {r.get('launches', 1)} launch(es) ({r['compile_and_model_s']} s)")
+            f"{r.get('cycles_per_vht')} cycles/vht, {r['tasks']} tasks ({r.get('tasks_per_chunk_head')} per chunk "
+            f"and head), MACs {r.get('macs_ratio')}x the algorithm's, cores busy: cube {r['cube_busy_pct']}%, "
+            f"vector {r['vector_busy_pct']}% (pipes: cube {r['cube_pipe_pct']}%, vector {r['vector_pipe_pct']}%, "
+            f"DDR-in {r.get('mte_in_pct')}%), chunk {r['chunk_size']}, {r.get('launches', 1)} launch(es) "
+            f"({r['compile_and_model_s']} s)")
 
 
 def suite_table(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
     """A markdown table of suite results (None: the run failed)."""
-    lines = ["| input | cycles | µs | cycles/token | tasks | cube busy % | vector busy % | chunk | launches |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| input | cycles | µs | cycles/token | cycles/vht | tasks | tasks per chunk and head | MACs / "
+             "algorithm's | cube busy % | cube pipe % | DDR-in % | vector busy % | chunk | launches |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, r in rows:
         if r is None:
-            lines.append(f"| {label} | failed | | | | | | | |")
+            lines.append(f"| {label} | failed |" + " |" * 12)
             continue
-        lines.append(f"| {label} | {r['total_cycles']:,} | {r['us']:,} | {r['cycles_per_token']} | {r['tasks']} | "
-                     f"{r['cube_busy_pct']} | {r['vector_busy_pct']} | {r['chunk_size']} | {r.get('launches', 1)} |")
+        lines.append(f"| {label} | {r['total_cycles']:,} | {r['us']:,} | {r['cycles_per_token']} | "
+                     f"{r.get('cycles_per_vht')} | {r['tasks']} | {r.get('tasks_per_chunk_head')} | "
+                     f"{r.get('macs_ratio')} | {r['cube_busy_pct']} | {r['cube_pipe_pct']} | {r.get('mte_in_pct')} | "
+                     f"{r['vector_busy_pct']} | {r['chunk_size']} | {r.get('launches', 1)} |")
     return "\n".join(lines)
 
 
 def _common_flags(args: argparse.Namespace) -> list[str]:
-    """The workload flags of ``args`` other than the lengths, to pass on to a child run."""
-    flags = ["--heads", str(args.heads), "--v-heads", str(args.v_heads), "--head-dim", str(args.head_dim),
-             "--dtype", args.dtype]
+    """The workload flags of ``args`` other than the lengths and heads, to pass on to a child run."""
+    flags = ["--head-dim", str(args.head_dim), "--dtype", args.dtype]
     for name, value in (("--head-v-dim", args.head_v_dim), ("--chunk", args.chunk), ("--stitch", args.stitch)):
         if value is not None:
             flags += [name, str(value)]
@@ -408,7 +482,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
     parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
-    parser.add_argument("--suite", action="store_true", help="run the fixed table (make bench-npu)")
+    parser.add_argument("--suite", nargs="?", const="small", default=None, choices=("small", "saturating"),
+                        help="run a fixed table: 'small' (the default; H/HV from the flags, make bench-npu) or "
+                             "'saturating' (H16/HV32 8 x 1024 and H16/HV16 4 x 4096, make bench-npu-saturating)")
     parser.add_argument("--append", default=None, help="with --suite: append the table to this markdown file")
     args = parser.parse_args(argv)
 
@@ -441,10 +517,12 @@ def main(argv: list[str] | None = None) -> None:
             print(format_result(f"lens={args.lens if len(w.lens) < 5 else f'{len(w.lens)}x{w.lens[0]}'}", result))
             return
         rows = []
-        for label, lens in SUITE:  # one process each: a crash in pypto loses one row, not the table
-            out = root / label.replace(" ", "")
+        entries = ([(label, lens, args.heads, args.v_heads) for label, lens in SUITE] if args.suite == "small"
+                   else list(SATURATING_SUITE))
+        for label, lens, heads, v_heads in entries:  # one process each: a crash in pypto loses one row, not the table
+            out = root / re.sub(r"[^A-Za-z0-9=]", "", label)
             command = [sys.executable, os.path.abspath(__file__), "--lens", ",".join(map(str, lens)),
-                       "--out", str(out), *_common_flags(args)]
+                       "--heads", str(heads), "--v-heads", str(v_heads), "--out", str(out), *_common_flags(args)]
             status = subprocess.run(command, check=False).returncode
             result_file = out / "result.json"
             if status != 0 or not result_file.exists():
@@ -455,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
         kind = "backward" if args.backward else "forward"
         title = (f"\n### PyPTO {kind} kernel, cost model (pypto 0.2.0 stock SIM, A2A3), "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-                 f"H={args.heads}, HV={args.v_heads}, K={common['head_k_dim']}, V={common['head_v_dim']}, "
+                 + (f"H={args.heads}, HV={args.v_heads}, " if args.suite == "small" else "")
+                 + f"K={common['head_k_dim']}, V={common['head_v_dim']}, "
                  f"{args.dtype}, l2norm {'off' if args.no_l2norm else 'on'}, initial state "
                  f"{'off' if args.no_initial_state else 'on'}; µs = cycles / 1800.\n\n")
         table = title + suite_table(rows) + "\n"

@@ -124,6 +124,23 @@ def test_chunk_128_head_dim_128_gva() -> None:
     assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("body_heads", [4, 2])
+def test_several_value_heads_per_loop_body(body_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop body that runs several value heads side by side (what saturating launches get,
+    see :func:`heads_per_body`), forced here on a small launch: GVA with two q/k heads per
+    body at 4, uneven sequences with a tail chunk and an initial state."""
+    monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
+    monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (body_heads,))
+    assert pypto_kernel.heads_per_body(2, 8) == body_heads
+    kernel_cache.cache_clear()
+    try:
+        inputs = make_inputs([150, 40], num_qk_heads=2, num_v_heads=8, with_initial_state=True, seed=3)
+        assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
+    finally:
+        kernel_cache.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
     """K=64, V=128; q, k, v in half precision go to the kernel as they are. The reference
@@ -341,10 +358,45 @@ def test_cost_model_report_parsing() -> None:
         Total Submit Tasks...............................:       361
         Average Cube Usage...............................:   8424.00    2.60%
         Average Vector Usage.............................:   3430.25    1.06%
+        Average MTE_IN Usage.............................: 274064.22   21.43%
         """
     )
     figures = _cost_model_script().parse_report(report)
-    assert figures == dict(total_cycles=323707, tasks=361, cube_pipe_pct=2.6, vector_pipe_pct=1.06)
+    assert figures == dict(total_cycles=323707, tasks=361, cube_pipe_pct=2.6, vector_pipe_pct=1.06, mte_in_pct=21.43)
+
+
+def test_cost_model_counts_matmul_macs_from_the_leaf_graphs() -> None:
+    """MACs of a leaf function: m k n of each matmul tile op from its L0A, L0B and L0C tiles (the
+    0.2.0 dot layout), accumulating ops included, copies not; and the algorithm's count per chunk
+    and value head at l = K = V = 128 is the issue's 8.17 x 128^3 (with the l^3 / 6 inverse)."""
+    dot = textwrap.dedent(
+        """
+        digraph {
+        label="TENSOR_LOOP_leaf0_1\\nhash:42";
+        T1 [label="Tile\\n1 L0A_[0,0][64,128]-1-1 32768B", shape=box];
+        T2 [label="Tile\\n2 L0B_[0,0][128,32]-2-2 16384B", shape=box];
+        T3 [label="Tile\\n3 L0C_[0,0][64,32]-3-3 8192B", shape=box];
+        T4 [label="Tile\\n4 L0A_[0,0][64,16]-4-4 4096B", shape=box];
+        T5 [label="Tile\\n5 L0B_[0,0][16,32]-5-5 2048B", shape=box];
+        T6 [label="Tile\\n6 DDR_[0,0][64,32]-6-6 8192B", shape=box];
+        N1 [label="TileOp\\nopmagic:1\\nopcode:A_MUL_B\\nSeq:1",shape=box];
+        N2 [label="TileOp\\nopmagic:2\\nopcode:A_MULACC_B\\nSeq:2",shape=box];
+        N3 [label="TileOp\\nopmagic:3\\nopcode:COPY_OUT\\nSeq:3",shape=box];
+        T1 -> N1;
+        T2 -> N1;
+        N1 -> T3;
+        T4 -> N2;
+        T3 -> N2;
+        T5 -> N2;
+        N2 -> T3;
+        T3 -> N3;
+        N3 -> T6;
+        }
+        """
+    )
+    script = _cost_model_script()
+    assert script.leaf_function_macs(dot) == (42, 64 * 128 * 32 + 64 * 16 * 32)
+    assert script.algorithm_macs_per_chunk_head(128, 128, 128) == round((8 + 1 / 6) * 128 ** 3)
 
 
 def test_cost_model_backward_launch_is_the_backward_kernel() -> None:

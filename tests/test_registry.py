@@ -42,6 +42,10 @@ NAMED_REFUSALS = {
     "cpu_checkpoints": ("cpu", {}, "checkpoints", CpuBackendError, r"no checkpoints"),
     "fla_on_cpu": ("fla", {}, "chunk", FlaBackendError, r"cuda tensors, not on 'cpu'"),
     "pypto_head_dim": ("pypto", dict(head_k_dim=32, head_v_dim=32), "chunk", PyptoBackendError, r"head dims"),
+    "pypto_head_dim_256": ("pypto", dict(head_k_dim=256, head_v_dim=256), "chunk", PyptoBackendError,
+                           r"K = 256, V = 256: head dims above 128 do not fit the PyPTO kernels' on-chip buffers"),
+    "pypto_head_v_dim_256": ("pypto", dict(head_k_dim=128, head_v_dim=256), "step", PyptoBackendError,
+                             r"V = 256: head dims above 128 do not fit .* 192 KiB unified buffer"),
     "recurrent_checkpoints": ("recurrent", {}, "checkpoints", BackendError, r"no checkpoints"),
 }
 

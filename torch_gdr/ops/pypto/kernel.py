@@ -94,7 +94,11 @@ queued behind every later chunk's independent ones.
 
 The sequence x value-head loop is one flat loop (independent work, overlapped by the cost
 model through data dependencies; ``parallel=True`` documents intent, pypto 0.2.0 ignores
-it); the chunk loop carries the state and is sequential.
+it); the chunk loop carries the state and is sequential. A body runs several value heads
+of one sequence side by side where the launch has enough of them
+(:func:`heads_per_body`): pypto merges their identical cube work into one task
+(``cube_nbuffer_setting``), and the vector work of each head's chunk before its first
+product is one task (a merge scope, :func:`one_vector_task`).
 Two nested loops only: three nested sequential loops with a heavy body recycle
 workspace too early in 0.2.0.
 
@@ -109,15 +113,18 @@ in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 
 buffer holds 192 KiB).
 
 What bounds it in pypto 0.2.0's cost model (bench/RESULTS.md has the figures): with many
-chunks in flight, the cores' idle time between tasks (a cube core waits about 6k to 10k
-cycles for its next task while ready work queues), hence fewer, larger tasks; a cube task
-is mostly data movement (the cube pipes are busy about 13% of the time). With few
-chunks, the first chunk's chain of about a dozen dependent tasks before the serial state
-products start.
+chunks in flight, the scheduler's cost per task (its CPUs poll the cores nearly all the
+time; with several heads a body the vector tasks wait in its ready queue), hence fewer,
+larger tasks; and a cube task is mostly data movement (each matmul's operands and result
+pass through DDR; the cube pipes are busy about a quarter of the time). With few chunks,
+the first chunk's chain of about a dozen dependent tasks before the serial state products
+start.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -147,11 +154,33 @@ MASK_BASE_BLOCKS = 3  # strictly lower part of the 16 x 16 diagonal blocks
 MASK_OFF_BLOCKS = 4  # strictly lower, outside the 16 x 16 diagonal blocks
 NUM_MASKS = 5
 
+#: Merge scope ids of a body's value head j: ``SCOPE_STRIDE * (j + 1)`` and up (see
+#: :func:`one_vector_task`).
+SCOPE_STRIDE = 10
+
 
 #: A launch with at most this many (sequence, value head, chunk of 64) bodies runs faster at
 #: chunk 64 than at 128 (the first chunk's latency bounds it; measured: one sequence of 256
 #: tokens, 4 value heads). Above it, the scheduler's cost per task favours 128.
 SMALL_LAUNCH_BODIES = 16
+
+#: Value heads of one sequence that one loop body runs side by side, largest first: pypto
+#: merges their identical cube work into one task (``cube_nbuffer_setting``), a quarter of
+#: the cube tasks at 4, each four times longer. Worth it when the launch still has at least
+#: :data:`MIN_MERGED_BODIES` bodies; below, the longer tasks lengthen the chain that bounds
+#: a small launch (measured: one sequence of 256 tokens at HV=4 costs 1.8x with 4).
+HEADS_PER_BODY_CHOICES = (4, 2)
+MIN_MERGED_BODIES = 16
+
+
+def heads_per_body(num_seqs: int, num_v_heads: int) -> int:
+    """How many value heads one loop body of the forward kernel runs (see
+    :data:`HEADS_PER_BODY_CHOICES`): the largest choice dividing ``num_v_heads`` that leaves
+    at least :data:`MIN_MERGED_BODIES` bodies, else 1."""
+    for count in HEADS_PER_BODY_CHOICES:
+        if num_v_heads % count == 0 and num_seqs * num_v_heads // count >= MIN_MERGED_BODIES:
+            return count
+    return 1
 
 
 def kernel_chunk_size(head_k_dim: int, head_v_dim: int, max_seqlen: int, *, num_seqs: int,
@@ -296,8 +325,10 @@ def _pypto_dtype(name: str) -> Any:
     return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
 
 
-def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
-    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only.
+def _solve_unit_lower(n1: Any, off: Any, first_factor: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
+    """``(I + a)^-1 rhs`` for strictly lower ``a [l, l]`` and ``rhs [l, n]``, by matmuls only,
+    from ``n1`` and ``off``, the parts of a inside and outside the 16 x 16 diagonal blocks,
+    and ``first_factor = I - n1`` (the caller's vector task computes them).
 
     With ``N`` the strictly lower part of the 16 x 16 diagonal blocks of a and ``L`` the
     rest (strictly block-lower), ``I + a = D (I + G)`` with ``D = I + N``,
@@ -315,13 +346,11 @@ def _solve_unit_lower(a: Any, rhs: Any, masks: Any, chunk_size: int) -> Any:
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     eye = masks[MASK_IDENTITY]
-    n1 = a * masks[MASK_BASE_BLOCKS]
-    off = a * masks[MASK_OFF_BLOCKS]
     n2 = pypto.matmul(n1, n1, fp32)
     n4 = pypto.matmul(n2, n2, fp32)
     n8 = pypto.matmul(n4, n4, fp32)
     f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
-    d_inv = pypto.matmul(pypto.matmul(eye - n1, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
+    d_inv = pypto.matmul(pypto.matmul(first_factor, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
     levels = num_block_levels(chunk_size)
     if levels == 0:
         return pypto.matmul(d_inv, rhs, fp32)
@@ -395,36 +424,106 @@ def chunk_decays(g: Any, masks: Any, chunk_size: int) -> tuple[Any, Any, Any]:
     return gamma, pypto.exp(exponent) * masks[MASK_LOWER], decay_out
 
 
+@contextlib.contextmanager
+def one_vector_task(scope: int) -> Iterator[None]:
+    """Trace the vector operations inside as one task: pypto's manual merge scope
+    (``sg_set_scope``: connected operations of one non-negative scope id become one
+    subgraph; a matmul never joins one). The scheduler's cost is per task whatever the
+    task's work, so each stage of a chunk's vector work is one task rather than one per
+    short chain of operations."""
+    pypto = import_pypto()
+    pypto.set_pass_options(sg_set_scope=scope)
+    try:
+        yield
+    finally:
+        pypto.set_pass_options(sg_set_scope=-1)
+
+
 def _chunk_terms(
     q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
-    use_qk_l2norm: bool, chunk_size: int, vec_rows: int,
+    use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any, merged: bool,
 ) -> tuple[Any, Any]:
     """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, ``beta * v``
-    ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``."""
+    ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``.
+    ``masks``: the ``MASK_*`` tiles; ``gram_masks``: ``[lower; strict lower]`` ``[2l, l]``.
+
+    With ``merged`` (a body of several value heads), the vector work before the first
+    product is one task (merge scope ``scope``), ``Q K^T`` and ``diag(beta) K K^T`` are one
+    stacked product and their masking one task (``scope + 1``). Without (one value head a
+    body), the form of before (:func:`_chunk_terms_separate`): the merge scopes there make
+    pypto 0.2.0's cost model fail (ParseInput BuildFunction, at T = 1024, HV = 4)."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
+    l = chunk_size  # noqa: E741
     pypto.set_vec_tile_shapes(vec_rows, 128)
+    if not merged:
+        return _chunk_terms_separate(q, k, v_beta, g, beta, masks, eye_pad_t, scale=scale,
+                                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    with one_vector_task(scope):
+        if use_qk_l2norm:
+            q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
+            k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+        q = q * scale
+        gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
+        gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
+        decay_in = pypto.exp(gamma)  # [l, 1]
+        decay_pairs = pypto.exp(exponent)
+        decay_stacked = pypto.concat([decay_pairs, decay_pairs], dim=0)  # [2l, l]
+        k_beta = k * beta
+        q_kbeta = pypto.concat([q, k_beta], dim=0)  # [2l, K]: one product gives Q K^T and diag(beta) K K^T
+        rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
+        k_out = k * decay_out  # [l, K]
+        chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
+        eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
+        lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
+        q_in = q * decay_in
+    gram = pypto.matmul(q_kbeta, k, fp32, b_trans=True)  # [Q K^T; diag(beta) K K^T], [2l, l]
+    with one_vector_task(scope + 1):
+        gram = gram * decay_stacked * gram_masks  # [P; A] in one pass
+        qk = pypto.view(gram, [l, l], [0, 0])  # P
+        a = pypto.view(gram, [l, l], [l, 0])
+        lhs_qo = pypto.concat([qk, q_in], dim=1)  # [l, l + K]
+        n1 = a * masks[MASK_BASE_BLOCKS]
+        off = a * masks[MASK_OFF_BLOCKS]
+        first_factor = masks[MASK_IDENTITY] - n1
+    wu = _solve_unit_lower(n1, off, first_factor, rhs, masks, chunk_size)  # [-W | U]
+    # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (A scratch
+    # kernel input in its place is faster, but pypto's interpreter then reads it before the
+    # write.)
+    y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
+    y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
+    y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
+    mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
+    qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
+    return mb, qo
+
+
+def _chunk_terms_separate(
+    q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
+    use_qk_l2norm: bool, chunk_size: int,
+) -> tuple[Any, Any]:
+    """:func:`_chunk_terms` for a body of one value head: two Gram products, no merge scopes."""
+    pypto = import_pypto()
+    fp32 = pypto.DT_FP32
+    head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
     if use_qk_l2norm:
         q = q / pypto.sqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
         k = k / pypto.sqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
     q = q * scale
-
     gamma, exponent, decay_out = chunk_exponents(g, masks, chunk_size)
     gamma_last = pypto.view(gamma, [1, 1], [chunk_size - 1, 0])
     decay_in = pypto.exp(gamma)  # [l, 1]
-
     k_beta = k * beta
     a = pypto.matmul(k_beta, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_STRICT_LOWER]
     rhs = pypto.concat([k_beta * decay_in * -1.0, v_beta], dim=1)  # [l, K + V]
-    wu = _solve_unit_lower(a, rhs, masks, chunk_size)  # [-W | U]
+    n1 = a * masks[MASK_BASE_BLOCKS]
+    off = a * masks[MASK_OFF_BLOCKS]
+    wu = _solve_unit_lower(n1, off, masks[MASK_IDENTITY] - n1, rhs, masks, chunk_size)  # [-W | U]
     qk = pypto.matmul(q, k, fp32, b_trans=True) * pypto.exp(exponent) * masks[MASK_LOWER]  # P, [l, l]
     k_out = k * decay_out  # [l, K]
     chunk_decay = pypto.expand_clone(pypto.exp(gamma_last), [head_k_dim, 1])  # [K, 1]
     eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
-    # [Y; [I | 0]], [l + K, K + V]: the solve's last product writes Y in place. (A scratch
-    # kernel input in its place is faster, but pypto's interpreter then reads it before the
-    # write.)
     y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
     y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
@@ -482,6 +581,7 @@ def build_gdr_kernel(
     chunk_rows = pypto.DYNAMIC
     group = num_v_heads // num_qk_heads
     num_pairs = num_seqs * num_v_heads
+    body_heads = heads_per_body(num_seqs, num_v_heads)
     n_masks = NUM_MASKS
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
@@ -512,14 +612,32 @@ def build_gdr_kernel(
             x = x + 0.0
         return x if weight is None else x * weight
 
+    def load_gates(g_in: Any, beta_in: Any, head: Any, start: Any, rows: Any, tail: bool,
+                   g_tile_rows: int) -> tuple[Any, Any]:
+        """The chunk's log decays g and write strengths beta of value head ``head``, each fp32
+        ``[l, 1]``, zero past ``rows`` for a tail (where in-kernel gating would compute them).
+        beta's fill runs in the reads' tiles (it weights v), g's in ``g_tile_rows`` rows: the
+        chunk's (one head a body: a task fewer) or the reads' (several: the other makes
+        pypto 0.2.0's cost model fail at 16 x 256, HV = 4)."""
+        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
+        if tail:
+            pypto.set_vec_tile_shapes(io_rows, 128)
+            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+            pypto.set_vec_tile_shapes(g_tile_rows, 128)
+            g_c = pypto.fillpad(g_c, "constant", 0.0)
+        return g_c, beta_c
+
     def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any,
-                   rows: Any, tail: bool, first: bool) -> None:
+                   rows: Any, tail: bool, first: bool, scope: int) -> None:
         """One chunk of one value head: output rows, the carried state, the chunk-state row.
 
         Full chunks read all l rows; the tail chunk (the window's last) zero-fills past
         ``rows``, writes only its valid output rows and writes its state to ``state_out``
         rather than back to ``state``. The values are read already weighted by beta. Every chunk but the window's first (``first``) reads after the previous
-        chunk's key read (the ticket); the first starts at once. ``inputs``: q, k, v, g,
+        chunk's key read (the ticket); the first starts at once. The vector work before the
+        first product is one task (merge scope ``scope``; ``scope + 1``... for the later
+        stages: distinct per value head of a body). ``inputs``: q, k, v, g,
         beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile; ``outputs``: o,
         state_out, chunk_states."""
         q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
@@ -527,11 +645,14 @@ def build_gdr_kernel(
         pair = seq * num_v_heads + head
         qk_head = head // group
         order = None if first else ticket_in
+        if output_chunk_states:
+            entering = pypto.view(state, [dk, dv], [0, 0])
+            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
+                           chunk_states_out)
+        # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
         q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
         k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
-        beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        if tail:
-            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail, io_rows if body_heads > 1 else vec_rows)
         v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
         zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
@@ -539,20 +660,15 @@ def build_gdr_kernel(
             zeros = pypto.concat([zeros] * (dv // dk), dim=1)
         ticket_in[0:l, 0:max(dk, dv)] = zeros
         pypto.set_vec_tile_shapes(vec_rows, 128)
-        mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
-        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
-        g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        if output_chunk_states:
-            entering = pypto.view(state, [dk, dv], [0, 0])
-            pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
-                           chunk_states_out)
-        if tail:
-            g_c = pypto.fillpad(g_c, "constant", 0.0)
         if not first:
             g_c = g_c + pypto.view(ticket_in, [l, 1], [0, 0])  # the decay work waits its turn too
+        mask_tiles = [pypto.view(masks_in, [l, l], [i * l, 0]) for i in range(n_masks)]
+        gram_masks = pypto.view(masks_in, [2 * l, l], [MASK_LOWER * l, 0])
+        eye_pad_t = pypto.view(eye_pad_in, [dk, dk + dv], [0, 0])
         mb, qo = _chunk_terms(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
-            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows, scope=scope,
+            gram_masks=gram_masks, merged=body_heads > 1,
         )
         if tail:  # the product then has the valid rows only, and the cube writes just those
             # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)
@@ -572,11 +688,13 @@ def build_gdr_kernel(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
-        # Cube subgraphs that load the same operand share a task (the two [S; I] products).
+        # Cube subgraphs that load the same operand share a task (the two [S; I] products),
+        # and the identical cube subgraphs of a body's value heads one task (cube_nbuffer).
         # pg_upper_bound (marked deprecated, still read by 0.2.0's partitioner) lifts the cap
         # on a merged subgraph's size: the solve's chain of matmuls becomes two cube tasks
         # rather than four (bench/RESULTS.md has the cost model's figures).
-        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
+        pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_nbuffer_setting": {-1: max(HEADS_PER_BODY_CHOICES)},
+                      "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
     )
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
@@ -599,33 +717,38 @@ def build_gdr_kernel(
         # [S; I] products (K + V = 256) load their operands once.
         pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
 
-        for pair in pypto.loop(num_pairs, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // num_v_heads
-            head = pair % num_v_heads
+        for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+            seq = (body * body_heads) // num_v_heads
             seq_start = act_seq_len[seq]
             seq_len = act_seq_len[seq + 1] - seq_start
             pypto.set_vec_tile_shapes(vec_rows, 128)
             # Both views are written in the chunk loop, so pypto copies them into buffers of
             # the pair's own (the pair body's three copy tasks) and the chunks update those.
-            # (Several heads per body, or reading the inputs without a vector op of their own
-            # (the ticket add, a cast or "+ 0.0"), fail in pypto 0.2.0's runtime model: F74007.)
-            state = pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0])
-            ticket_row = pypto.view(ticket, [l, 128], [pair * l, 0])
-            inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
+            # (Reading the inputs without a vector op of their own (the ticket add, a cast or
+            # "+ 0.0") fails in pypto 0.2.0's runtime model: F74007.)
+            heads, states, tickets = [], [], []
+            for j in range(body_heads):
+                pair = body * body_heads + j
+                heads.append(pair % num_v_heads)
+                states.append(pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0]))
+                tickets.append(pypto.view(ticket, [l, 128], [pair * l, 0]))
             outputs = [o, state_out, chunk_states]
             for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
                 chunk = window[0] + step
                 start = seq_start + chunk * l
                 rows = pypto.min(l, seq_len - chunk * l)
-                if pypto.is_loop_begin(step):
-                    if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True)
+                for j, head, state, ticket_row in zip(range(body_heads), heads, states, tickets):
+                    scope = SCOPE_STRIDE * (j + 1)
+                    inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row]
+                    if pypto.is_loop_begin(step):
+                        if pypto.is_loop_end(step):  # the window's last chunk: maybe short; it writes the state
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True, scope)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True, scope)
                     else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True)
-                else:
-                    if pypto.is_loop_end(step):
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False)
-                    else:
-                        chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False)
+                        if pypto.is_loop_end(step):
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False, scope)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False, scope)
 
     return gdr_fwd_kernel

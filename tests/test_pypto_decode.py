@@ -176,6 +176,25 @@ def test_in_kernel_gating_cases(case: str, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.slow
+def test_step_without_pool_still_gets_the_activations() -> None:
+    """The pypto step without a pool (the chunked kernel, which takes activated g and beta)
+    with fla's activation arguments: dispatch activates them for it, since only the pool
+    step's kernel applies them itself."""
+    x = make_inputs(seqlens=[2], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype=torch.float32,
+                    seed=4)
+    cu = x.pop("cu_seqlens")
+    raw, kwargs, x_ref = raw_gating(x, 2, gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True, seed=4)
+    state = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(5)) * 0.1
+    with torch.no_grad():
+        o, final = torch_gdr.fused_recurrent_gated_delta_rule(
+            *(raw[f] for f in FIELDS[:4]), beta=raw["beta"], initial_state=state, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend="pypto", **kwargs)
+    outs, states = reference_tokens(x_ref, [0, 1], state[0].double(), None, True)
+    assert_within_tolerance("o", o.reshape(-1, 2, 64).double(), torch.stack(outs))
+    assert_within_tolerance("final state", final[0].double(), states[-1])
+
+
+@pytest.mark.slow
 def test_bf16_inputs_and_bf16_pool() -> None:
     run_case([1, 1], None, None, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)
 

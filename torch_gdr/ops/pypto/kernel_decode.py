@@ -63,7 +63,8 @@ pool_out        as pool                       the same storage as ``pool``: the 
 With ``gate_in_kernel`` the kernel reads g as the raw gate ``a`` and takes the log decay
 as ``-exp(A_log[h]) * softplus(a + dt_bias[h])`` (softplus(x) = x above 20, the threshold
 of torch and fla, else ``log1p(exp(x))``); ``-exp(A_log)`` and ``dt_bias`` are read once
-per body. With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
+per body and the raw gate once per token, each as a row over the body's heads (two
+copies fewer per body of two heads than per-head views). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
 sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
 plain one (no ``gate_params`` argument).
 
@@ -223,22 +224,17 @@ def build_decode_kernel(
         state = state * decay + pypto.expand_clone(k_col, [dk, dv]) * u
         return state, o_t
 
-    def gate_terms(gate_params: Any, first_head: Any) -> list:
-        """Per value head of the body: ``(-exp(A_log[h]), dt_bias[h])``, each fp32 ``[1, 1]``."""
+    def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
+        """The body's ``(-exp(A_log), dt_bias)`` over its value heads, each fp32 ``[1, heads]``."""
         pypto.set_vec_tile_shapes(1, 128)
-        terms = []
-        for h in range(heads_per_body):
-            rate = pypto.exp(pypto.view(gate_params, [1, 1], [0, first_head + h])) * -1.0
-            terms.append((rate, pypto.view(gate_params, [1, 1], [1, first_head + h])))
-        return terms
+        rate = pypto.exp(pypto.view(gate_params, [1, heads_per_body], [0, first_head])) * -1.0
+        return rate, pypto.view(gate_params, [1, heads_per_body], [1, first_head])
 
-    def log_decay(g_t: Any, terms: Any) -> Any:
-        """The log decay ``[1, 1]`` from g's entry ``g_t``: as given, or from the raw gate
-        ``-exp(A_log) * softplus(g_t + dt_bias)`` (``terms``: :func:`gate_terms`'s pair)."""
-        if terms is None:
-            return g_t
+    def log_decay(g_row: Any, terms: tuple[Any, Any]) -> Any:
+        """The log decay ``[1, heads]`` from the raw gate ``g_row``:
+        ``-exp(A_log) * softplus(g_row + dt_bias)`` (``terms``: :func:`gate_terms`)."""
         rate, bias = terms
-        x = g_t + bias
+        x = g_row + bias
         softplus = pypto.where(x > SOFTPLUS_THRESHOLD, x, pypto.log1p(pypto.exp(x)))
         return rate * softplus
 
@@ -255,10 +251,11 @@ def build_decode_kernel(
         return [start_state(pool, row_in, keep, first_head + h) for h in range(heads_per_body)]
 
     def body_token_step(q: Any, k: Any, v: Any, g: Any, beta: Any, o: Any, states: list, token: Any,
-                        first_head: Any, gates: Optional[list] = None) -> list:
+                        first_head: Any, gates: Optional[tuple[Any, Any]] = None) -> list:
         """One token on the body's value heads ``first_head + [0, heads_per_body)`` (one key
         head's): writes their outputs, returns their states. ``gates``: :func:`gate_terms`
         of the body where g is the raw gate, else None."""
+        g_g = None
         qk_head = first_head // group
         pypto.set_vec_tile_shapes(1, 128)
         q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
@@ -266,10 +263,12 @@ def build_decode_kernel(
         v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
         beta_g = activated_beta(pypto.view(beta, [1, heads_per_body], [token, first_head]))
         qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
+        if gates is not None:  # the activation on the row of the body's heads: one copy of g
+            g_g = log_decay(pypto.view(g, [1, heads_per_body], [token, first_head]), gates)
         new_states = []
         for h in range(heads_per_body):
             pypto.set_vec_tile_shapes(1, 128)
-            g_t = log_decay(pypto.view(g, [1, 1], [token, first_head + h]), None if gates is None else gates[h])
+            g_t = pypto.view(g, [1, 1], [token, first_head + h]) if gates is None else pypto.view(g_g, [1, 1], [0, h])
             decay = pypto.expand_clone(pypto.exp(g_t), [1, dv])
             beta_t = pypto.view(beta_g, [1, 1], [0, h])
             v_t = pypto.view(v_g, [1, dv], [0, h * dv])

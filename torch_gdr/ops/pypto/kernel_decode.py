@@ -63,8 +63,8 @@ pool_out        as pool                       the same storage as ``pool``: the 
 With ``gate_in_kernel`` the kernel reads g as the raw gate ``a`` and takes the log decay
 as ``-exp(A_log[h]) * softplus(a + dt_bias[h])`` (softplus(x) = x above 20, the threshold
 of torch and fla, else ``log1p(exp(x))``); ``-exp(A_log)`` and ``dt_bias`` are read once
-per body and the raw gate once per token, each as a row over the body's heads (two
-copies fewer per body of two heads than per-head views). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
+per body and the raw gate once per token, each as a row over the body's heads (fewer
+copies than a ``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
 sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
 plain one (no ``gate_params`` argument).
 

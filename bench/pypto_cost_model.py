@@ -332,6 +332,7 @@ class DecodeWorkload:
     dtype: str = "float32"
     pool_dtype: str = "float32"
     l2norm: bool = True
+    gating: bool = False  # fla's activations in the kernel: raw gate with A_log/dt_bias, beta logits
 
 
 def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
@@ -355,6 +356,10 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     v = torch.randn(rows_total, w.v_heads * w.head_v_dim, generator=gen).to(dtype)
     g = F.logsigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
     beta = torch.sigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
+    gate_params = []
+    if w.gating:  # raw gate and beta logits; A_log and dt_bias [HV]
+        g, beta = torch.randn(rows_total, w.v_heads, generator=gen), torch.randn(rows_total, w.v_heads, generator=gen)
+        gate_params = [torch.stack([torch.rand(w.v_heads, generator=gen).log(), torch.randn(w.v_heads, generator=gen)])]
     slots, rows = _pool_rows(w)
     pad = torch.full((bucket - n,), -1, dtype=torch.int64)
     read_rows = torch.cat([rows[:, 0], pad]).int().view(-1, 1)
@@ -364,8 +369,9 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     kernel = build_decode_kernel(batch_bucket=bucket, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
-                                 pool_dtype=w.pool_dtype)
-    return kernel, [[q, k, v, g, beta, read_rows, write_rows, pool, o, pool]]
+                                 pool_dtype=w.pool_dtype, gate_in_kernel=w.gating, beta_sigmoid_in_kernel=w.gating,
+                                 allow_neg_eigval=w.gating)
+    return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, pool, o, pool]]
 
 
 def copy_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
@@ -481,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=1, help="with --decode: tokens per sequence (1..8)")
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
+    parser.add_argument("--gating", action="store_true",
+                        help="with --decode: fla's gate and beta activations in the kernel (use_gate_in_kernel with "
+                             "A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)")
     parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
     parser.add_argument("--suite", nargs="?", const="small", default=None, choices=("small", "saturating"),
                         help="run a fixed table: 'small' (the default; H/HV from the flags, make bench-npu) or "
@@ -491,11 +500,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode:
         w = DecodeWorkload(batch=args.batch, tokens=args.tokens, heads=args.heads, v_heads=args.v_heads,
                            head_k_dim=args.head_dim, head_v_dim=args.head_v_dim or args.head_dim, dtype=args.dtype,
-                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm)
+                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm, gating=args.gating)
         with output_root(args.out) as root:
             r = run_decode_cost_model(w, root)
         print(f"decode B={w.batch} S={w.tokens} H={w.heads} HV={w.v_heads} K={w.head_k_dim} V={w.head_v_dim} "
-              f"{w.dtype} inputs, {w.pool_dtype} pool: {r['total_cycles']:,} cycles ({r['us']:,} us, {r['tasks']} "
+              f"{w.dtype} inputs, {w.pool_dtype} pool{', gating in kernel' if w.gating else ''}: {r['total_cycles']:,} cycles ({r['us']:,} us, {r['tasks']} "
               f"tasks); copy of the pool rows: {r['memory_bound_cycles']:,} cycles ({r['copy_tasks']} tasks), "
               f"ratio {r['ratio_to_copy']}; cores busy: vector {r['vector_busy_pct']}%, pipes: vector "
               f"{r['vector_pipe_pct']}% ({r['compile_and_model_s']} s)")

@@ -38,12 +38,40 @@ def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) ->
     assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
 
 
+def raw_gating(x: dict, num_v_heads: int, *, gate: bool, dt_bias: bool, beta_sigmoid: bool, neg_eigval: bool,
+               seed: int) -> tuple[dict, dict, dict]:
+    """fla's raw gate and beta logits for the inputs ``x``: ``(inputs with raw g and beta,
+    the call's activation arguments, float64 inputs with the activations applied by hand)``.
+    Every fourth raw gate is 24 (above softplus's threshold 20) and every fourth another 100
+    (where exp overflows in float32)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    raw, kwargs, ref = dict(x), {}, dict(x)
+    if gate:
+        a = torch.randn(x["g"].shape, generator=gen) * 3.0
+        a.view(-1)[0::4] = 24.0
+        a.view(-1)[1::4] = 100.0
+        a_log = (torch.rand(num_v_heads, generator=gen) * 0.02 + 0.005).log()
+        bias = torch.rand(num_v_heads, generator=gen) * 2.0 - 1.0 if dt_bias else None
+        arg = a.double() + (0.0 if bias is None else bias.double())
+        softplus = torch.where(arg > 20.0, arg, torch.log1p(torch.exp(arg)))
+        raw["g"], ref["g"] = a.to(x["g"].dtype), -a_log.double().exp() * softplus
+        kwargs.update(use_gate_in_kernel=True, A_log=a_log, dt_bias=bias)
+    if beta_sigmoid:
+        logits = torch.randn(x["beta"].shape, generator=gen) * 2.0
+        raw["beta"] = logits.to(x["beta"].dtype)
+        ref["beta"] = (2.0 if neg_eigval else 1.0) / (1.0 + torch.exp(-logits.double()))
+        kwargs.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval)
+    return raw, kwargs, ref
+
+
 def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]], *, heads=(1, 2), dk: int = 64,
              dv: int = 64, rows: Optional[list[list[int]]] = None, dtype=torch.float32, pool_dtype=torch.float32,
              v_first: bool = False, pad: int = 0, l2norm: bool = True, scale: Optional[float] = None,
-             nan_rows: tuple[int, ...] = (), slots: int = 12, seed: int = 0) -> None:
+             nan_rows: tuple[int, ...] = (), slots: int = 12, seed: int = 0, gating: Optional[dict] = None) -> None:
     """One decode call on ``"pypto"`` against each request alone (see the module docstring).
-    ``nan_rows``: pool rows filled with NaN that no sequence reads (-1 must not read them)."""
+    ``nan_rows``: pool rows filled with NaN that no sequence reads (-1 must not read them).
+    ``gating``: keyword arguments of :func:`raw_gating` (raw g and beta, activated in the
+    kernel; the reference applies the activations by hand)."""
     h, hv = heads
     cols = width or 1
     if rows is None:
@@ -52,6 +80,9 @@ def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]
     x = make_inputs(seqlens=lens, num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, dtype=dtype,
                     seed=seed)
     cu = x.pop("cu_seqlens")
+    x_ref, gating_kwargs = x, {}
+    if gating is not None:
+        x, gating_kwargs, x_ref = raw_gating(x, hv, seed=seed, **gating)
     bos = cu.tolist()[:-1]
     pool, buffer = make_pool(slots, hv, dk, dv, pool_dtype, v_first, pad, seed=seed + 1)
     for r in nan_rows:
@@ -64,7 +95,7 @@ def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]
         o, returned = torch_gdr.fused_recurrent_gated_delta_rule(
             *(x[f] for f in FIELDS[:4]), beta=x["beta"], scale=scale, initial_state=pool, ssm_state_indices=idx,
             num_accepted_tokens=acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first,
-            backend="pypto")
+            backend="pypto", **gating_kwargs)
     assert returned is pool
     assert o.shape == x["v"].shape and o.dtype == dtype
     o = o.reshape(-1, hv, dv)
@@ -75,7 +106,7 @@ def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]
         start = rows[n][(accepted[n] - 1) if accepted else 0]
         state = (torch.zeros(hv, dk, dv, dtype=torch.float64) if start < 0
                  else _key_first(before_pool[start], v_first).double())
-        outs, states = reference_tokens(x, list(range(bos[n], bos[n] + length)), state, scale, l2norm)
+        outs, states = reference_tokens(x_ref, list(range(bos[n], bos[n] + length)), state, scale, l2norm)
         ref_o += outs
         out_o += [o[t] for t in range(bos[n], bos[n] + length)]
         for j, s in enumerate(states):
@@ -111,6 +142,56 @@ def test_speculative_step_with_acceptance_and_minus1_slots() -> None:
     """[N, S] indices: sequences of different lengths (cu_seqlens), each starting from the
     row after its last accepted token, -1 slots never written."""
     run_case([3, 2], 3, [2, 3], rows=[[4, 6, -1], [1, -1, 9]])
+
+
+def test_gate_and_beta_sigmoid_in_kernel() -> None:
+    """fla's activations inside the kernel: the raw gate with A_log and dt_bias (raw gates
+    above softplus's threshold and past float32's exp range), beta logits with
+    allow_neg_eigval (beta in [0, 2]); a -1 row."""
+    run_case([1, 1], None, None, rows=[[3], [-1]],
+             gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gate_without_dt_bias", "beta_sigmoid_only", "speculative_both_no_neg_eigval",
+                                  "grouped_heads_gate"])
+def test_in_kernel_gating_cases(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if case == "gate_without_dt_bias":
+        run_case([1, 1, 1], None, None, gating=dict(gate=True, dt_bias=False, beta_sigmoid=False, neg_eigval=False))
+    elif case == "beta_sigmoid_only":
+        run_case([1, 1], None, None, gating=dict(gate=False, dt_bias=False, beta_sigmoid=True, neg_eigval=False))
+    elif case == "speculative_both_no_neg_eigval":
+        run_case([3, 2], 3, [2, 3], rows=[[4, 6, -1], [1, -1, 9]],
+                 gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=False))
+    elif case == "grouped_heads_gate":
+        from torch_gdr.ops.pypto import kernel_decode
+
+        monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+        kernel_cache.decode_cache_clear()
+        try:
+            run_case([2, 1], 2, [1, 2], heads=(2, 4), seed=3,
+                     gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True))
+        finally:
+            kernel_cache.decode_cache_clear()
+
+
+@pytest.mark.slow
+def test_step_without_pool_still_gets_the_activations() -> None:
+    """The pypto step without a pool (the chunked kernel, which takes activated g and beta)
+    with fla's activation arguments: dispatch activates them for it, since only the pool
+    step's kernel applies them itself."""
+    x = make_inputs(seqlens=[2], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype=torch.float32,
+                    seed=4)
+    cu = x.pop("cu_seqlens")
+    raw, kwargs, x_ref = raw_gating(x, 2, gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True, seed=4)
+    state = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(5)) * 0.1
+    with torch.no_grad():
+        o, final = torch_gdr.fused_recurrent_gated_delta_rule(
+            *(raw[f] for f in FIELDS[:4]), beta=raw["beta"], initial_state=state, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend="pypto", **kwargs)
+    outs, states = reference_tokens(x_ref, [0, 1], state[0].double(), None, True)
+    assert_within_tolerance("o", o.reshape(-1, 2, 64).double(), torch.stack(outs))
+    assert_within_tolerance("final state", final[0].double(), states[-1])
 
 
 @pytest.mark.slow

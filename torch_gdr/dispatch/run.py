@@ -56,7 +56,7 @@ def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[
     """The token-by-token call on a checked call in the canonical layout; returns ``o`` and
     the key-first final state (canonical layout)."""
     selection = select(CallSpec.of("step", call.q, call.v, call.chunk_size, grad), backend)
-    if not selection.backend.in_kernel_gating:
+    if "step" not in selection.backend.in_kernel_gating:
         call = activate_call(call)  # differentiable torch
     return selection.backend.step(call)
 
@@ -74,7 +74,7 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     selection = select(spec, backend)
     extra = {}
     if gating is not None and gating.gated:
-        if selection.backend.in_kernel_gating:
+        if "pool_step" in selection.backend.in_kernel_gating:
             extra["gating"] = gating
         else:
             g, beta = apply_gating(g, beta, use_gate_in_kernel=gating.use_gate_in_kernel, A_log=gating.A_log,

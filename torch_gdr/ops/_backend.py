@@ -173,11 +173,11 @@ class Backend:
         description: one line for ``python -m torch_gdr`` and error messages.
         extra_reasons: ``extra_reasons(call) -> list[Reason]``, the backend's own checks beyond
             its capabilities (an extension not built, pypto not installed...).
-        in_kernel_gating: its ``step`` and ``pool_step`` take raw g and beta with fla's
-            activation arguments (``pool_step`` as the keyword ``gating``, a
-            :class:`~torch_gdr._layout.GdrCall`'s fields) and apply them in its kernels;
-            for every other backend dispatch activates g and beta before them
-            (:mod:`torch_gdr._gating`). The chunked ops say it themselves
+        in_kernel_gating: the entries among ``"step"`` and ``"pool_step"`` that take raw g
+            and beta with fla's activation arguments (``pool_step`` as the keyword
+            ``gating``, ``step`` as a :class:`~torch_gdr._layout.GdrCall`'s fields) and apply
+            them in its kernels; for every other entry dispatch activates g and beta before
+            it (:mod:`torch_gdr._gating`). The chunked ops say it themselves
             (:mod:`torch_gdr.ops._define`).
     """
 
@@ -195,7 +195,7 @@ class Backend:
     warning: type[FallbackWarning] = FallbackWarning
     description: str = ""
     extra_reasons: Optional[Callable[[CallSpec], list[Reason]]] = field(default=None, repr=False)
-    in_kernel_gating: bool = False
+    in_kernel_gating: frozenset[str] = frozenset()
 
     def unsupported_reasons(self, call: CallSpec, needs_grad: Optional[bool] = None) -> list[Reason]:
         """Every reason this backend cannot serve ``call``; empty when it can.

@@ -46,5 +46,5 @@ BACKEND = Backend(
     warning=CpuFallbackWarning,
     description="the fused C++/OpenMP kernels on CPU tensors",
     extra_reasons=_missing,
-    in_kernel_gating=True,
+    in_kernel_gating=frozenset({"step", "pool_step"}),
 )

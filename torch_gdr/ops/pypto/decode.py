@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_gdr import _pool
+from torch_gdr._gating import Gating
 
 from . import interpreter
 from .kernel_cache import get_decode_kernel
@@ -45,7 +46,8 @@ KernelGetter = Callable[..., Any]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-# Positions of the outputs among the kernel's tensor arguments.
+# Positions of the outputs among the kernel's tensor arguments (the gated kernel has one
+# more input before them: gate_params).
 _O_ARG, _POOL_OUT_ARG = 8, 9
 
 
@@ -80,7 +82,7 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                     cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                     state_v_first: bool = False, validate: bool = True,
-                    kernel_getter: Optional[KernelGetter] = None) -> Tensor:
+                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None) -> Tensor:
     """The decode step over a state pool through the PyPTO kernel, in place (the arguments
     of :func:`pool_step_eager`).
 
@@ -92,24 +94,32 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     if kernel_getter is not None:
         return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                               state_v_first=state_v_first, validate=validate, kernel_getter=kernel_getter)
+                               state_v_first=state_v_first, validate=validate, kernel_getter=kernel_getter,
+                               gating=gating)
+    gating = gating or Gating()
     return _pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                          None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel), bool(state_v_first),
-                         bool(validate))
+                         bool(validate), *gating)
 
 
 _POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor ssm_state_indices, "
                      "Tensor? num_accepted_tokens, Tensor? cu_seqlens, float? scale, bool use_qk_l2norm_in_kernel, "
-                     "bool state_v_first, bool validate) -> Tensor")
+                     "bool state_v_first, bool validate, bool use_gate_in_kernel=False, Tensor? A_log=None, "
+                     "Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False) "
+                     "-> Tensor")
 
 
 def _pool_step_op_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
                        ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor],
                        scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
-                       validate: bool) -> Tensor:
+                       validate: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+                       dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                       allow_neg_eigval: bool = False) -> Tensor:
     return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                           state_v_first=state_v_first, validate=validate)
+                           state_v_first=state_v_first, validate=validate,
+                           gating=Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                                         allow_neg_eigval))
 
 
 _pool_step_op = torch.library.custom_op("gdr::_pypto_pool_step", _pool_step_op_impl, mutates_args=("pool",),
@@ -120,7 +130,9 @@ _pool_step_op = torch.library.custom_op("gdr::_pypto_pool_step", _pool_step_op_i
 def _pool_step_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
                     ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor],
                     scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
-                    validate: bool) -> Tensor:
+                    validate: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+                    dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                    allow_neg_eigval: bool = False) -> Tensor:
     return torch.empty_like(v)
 
 
@@ -128,7 +140,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                     cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                     state_v_first: bool = False, validate: bool = True,
-                    kernel_getter: Optional[KernelGetter] = None) -> Tensor:
+                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None) -> Tensor:
     """The decode step over a state pool through the PyPTO kernel, in place, eagerly.
 
     Args:
@@ -145,6 +157,9 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         validate: check index values also when they live on a device.
         kernel_getter: returns the kernel for a configuration; defaults to the decode
             kernel cache (:func:`.kernel_cache.get_decode_kernel`).
+        gating: fla's activations (:class:`torch_gdr._gating.Gating`, checked by the
+            caller): g is then the raw gate and/or beta the logits, and the kernel applies
+            them (``A_log``/``dt_bias [HV]`` read in float32); None: g and beta as given.
 
     Returns:
         ``o`` in the shape and dtype of v.
@@ -223,15 +238,26 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
                                                                                       dtype=torch.int32)
 
+    gating = gating or Gating()
+    gate_params = []  # [2, HV] fp32: A_log, dt_bias (zeros without one)
+    if gating.use_gate_in_kernel:
+        assert gating.A_log is not None
+        a_log = gating.A_log.to(device=device, dtype=torch.float32)
+        bias = torch.zeros_like(a_log) if gating.dt_bias is None else gating.dt_bias.to(device=device,
+                                                                                          dtype=torch.float32)
+        gate_params = [torch.stack([a_log, bias]).contiguous()]
     getter = kernel_getter if kernel_getter is not None else get_decode_kernel
     kernel = getter(batch_bucket=bucket, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
                     head_v_dim=head_v_dim, tokens_per_seq=width, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
                     scale=scale, input_dtype=_DTYPE_NAMES[in_dtype], pool_dtype=_DTYPE_NAMES[pool.dtype],
-                    on_device=device.type == "npu")
+                    on_device=device.type == "npu", gate_in_kernel=gating.use_gate_in_kernel,
+                    beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=gating.allow_neg_eigval)
     o = torch.empty(bucket * width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)  # all written
     pool_rows = work_pool.view(-1, head_v_dim)
-    interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, read_in, write_in, pool_rows, o, pool_rows],
-                       [_O_ARG, _POOL_OUT_ARG])
+    shift = len(gate_params)
+    interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, *gate_params, read_in, write_in, pool_rows, o,
+                                pool_rows], [_O_ARG + shift, _POOL_OUT_ARG + shift])
     if not in_place and touched.numel():
         _pool.pool_scatter(pool, touched, work_pool, state_v_first)
 

@@ -215,6 +215,9 @@ class DecodeKernelKey:
     input_dtype: str
     pool_dtype: str
     on_device: bool
+    gate_in_kernel: bool = False
+    beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
     kind: str = field(default="decode")
 
 

@@ -44,7 +44,10 @@ q, k            ``[B * S, H * K]`` in_dtype   queries, keys; token j of sequence
                                               ``n * S + j``
 v               ``[B * S, HV * V]`` in_dtype  values (value head h reads q/k head
                                               ``h // (HV // H)``)
-g, beta         ``[B * S, HV]`` fp32          log decay, write strength
+g, beta         ``[B * S, HV]`` fp32          log decay, write strength (raw where the
+                                              kernel applies fla's activations, below)
+gate_params     ``[2, HV]`` fp32              only with ``gate_in_kernel``: ``A_log`` in row
+                                              0, ``dt_bias`` in row 1 (zeros without one)
 read_rows       ``[B, 1]`` int32              pool row each sequence starts from (-1: zeros;
                                               two-dimensional: its [1, 1] view needs no
                                               reshape, a round trip through memory)
@@ -57,14 +60,23 @@ pool_out        as pool                       the same storage as ``pool``: the 
                                               written to it, in place
 ==============  ============================  ============================================
 
+With ``gate_in_kernel`` the kernel reads g as the raw gate ``a`` and takes the log decay
+as ``-exp(A_log[h]) * softplus(a + dt_bias[h])`` (softplus(x) = x above 20, the threshold
+of torch and fla, else ``log1p(exp(x))``); ``-exp(A_log)`` and ``dt_bias`` are read once
+per body and the raw gate once per token, each as a row over the body's heads (fewer
+copies than a ``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
+sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
+plain one (no ``gate_params`` argument).
+
 B is the batch bucket (the host pads with sequences whose rows are all -1), so the kernel
 is specialised on it and not on the batch size; the pool's row count stays dynamic.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
 
-from typing import Any
+from typing import Any, Optional
 
+from torch_gdr._gating import SOFTPLUS_THRESHOLD
 from torch_gdr._layout import L2NORM_EPS  # the in-kernel l2 norm's epsilon
 
 from ._env import import_pypto
@@ -129,6 +141,9 @@ def build_decode_kernel(
     input_dtype: str = "float32",
     pool_dtype: str = "float32",
     on_device: bool = False,
+    gate_in_kernel: bool = False,
+    beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Any:
     """Build (trace lazily, on first call) the decode-step kernel for one configuration.
 
@@ -142,6 +157,10 @@ def build_decode_kernel(
         scale: factor applied to q (after the norm).
         input_dtype: dtype of q, k, v. pool_dtype: dtype of the pool.
         on_device: run mode NPU rather than SIM (CPU; see :mod:`.interpreter`).
+        gate_in_kernel: g is the raw gate; the kernel takes ``gate_params`` and computes
+            the log decay (module docstring).
+        beta_sigmoid_in_kernel: beta is logits; the kernel takes ``s * sigmoid(beta)``.
+        allow_neg_eigval: ``s = 2`` (beta in [0, 2]); only with ``beta_sigmoid_in_kernel``.
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
@@ -149,6 +168,8 @@ def build_decode_kernel(
     validate_decode_config(batch_bucket=batch_bucket, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads,
                            head_k_dim=head_k_dim, head_v_dim=head_v_dim, tokens_per_seq=tokens_per_seq,
                            input_dtype=input_dtype, pool_dtype=pool_dtype)
+    if allow_neg_eigval and not beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: requires beta_sigmoid_in_kernel=True, got beta_sigmoid_in_kernel=False")
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     in_dt, pool_dt = _pypto_dtype(input_dtype), _pypto_dtype(pool_dtype)
@@ -203,26 +224,52 @@ def build_decode_kernel(
         state = state * decay + pypto.expand_clone(k_col, [dk, dv]) * u
         return state, o_t
 
+    def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
+        """The body's ``(-exp(A_log), dt_bias)`` over its value heads, each fp32 ``[1, heads]``."""
+        pypto.set_vec_tile_shapes(1, 128)
+        rate = pypto.exp(pypto.view(gate_params, [1, heads_per_body], [0, first_head])) * -1.0
+        return rate, pypto.view(gate_params, [1, heads_per_body], [1, first_head])
+
+    def log_decay(g_row: Any, terms: tuple[Any, Any]) -> Any:
+        """The log decay ``[1, heads]`` from the raw gate ``g_row``:
+        ``-exp(A_log) * softplus(g_row + dt_bias)`` (``terms``: :func:`gate_terms`)."""
+        rate, bias = terms
+        x = g_row + bias
+        softplus = pypto.where(x > SOFTPLUS_THRESHOLD, x, pypto.log1p(pypto.exp(x)))
+        return rate * softplus
+
+    def activated_beta(beta_g: Any) -> Any:
+        """Beta ``[1, heads]`` as the kernel uses it: as given, or ``s * sigmoid(logits)``."""
+        if not beta_sigmoid_in_kernel:
+            return beta_g
+        beta_g = pypto.sigmoid(beta_g)
+        return beta_g * 2.0 if allow_neg_eigval else beta_g
+
     def start_states(pool: Any, read_rows: Any, seq: Any, first_head: Any) -> list:
         """The states sequence ``seq`` starts from on the body's value heads, each fp32 ``[K, V]``."""
         row_in, keep = row_kept(read_rows, seq)
         return [start_state(pool, row_in, keep, first_head + h) for h in range(heads_per_body)]
 
     def body_token_step(q: Any, k: Any, v: Any, g: Any, beta: Any, o: Any, states: list, token: Any,
-                        first_head: Any) -> list:
+                        first_head: Any, gates: Optional[tuple[Any, Any]] = None) -> list:
         """One token on the body's value heads ``first_head + [0, heads_per_body)`` (one key
-        head's): writes their outputs, returns their states."""
+        head's): writes their outputs, returns their states. ``gates``: :func:`gate_terms`
+        of the body where g is the raw gate, else None."""
+        g_g = None
         qk_head = first_head // group
         pypto.set_vec_tile_shapes(1, 128)
         q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
         k_t = normalised(token_row(k, dk, qk_head * dk, token))
         v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
-        beta_g = pypto.view(beta, [1, heads_per_body], [token, first_head])
+        beta_g = activated_beta(pypto.view(beta, [1, heads_per_body], [token, first_head]))
         qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
+        if gates is not None:  # the activation on the row of the body's heads: one copy of g
+            g_g = log_decay(pypto.view(g, [1, heads_per_body], [token, first_head]), gates)
         new_states = []
         for h in range(heads_per_body):
             pypto.set_vec_tile_shapes(1, 128)
-            decay = pypto.expand_clone(pypto.exp(pypto.view(g, [1, 1], [token, first_head + h])), [1, dv])
+            g_t = pypto.view(g, [1, 1], [token, first_head + h]) if gates is None else pypto.view(g_g, [1, 1], [0, h])
+            decay = pypto.expand_clone(pypto.exp(g_t), [1, dv])
             beta_t = pypto.view(beta_g, [1, 1], [0, h])
             v_t = pypto.view(v_g, [1, dv], [0, h * dv])
             state, o_t = token_step(states[h], q_t, k_t, v_t, decay, beta_t, qk)
@@ -238,12 +285,13 @@ def build_decode_kernel(
             pypto.assemble(stored, [(row_out * num_v_heads + first_head + h) * dk, 0], pool_out)
 
     token_offsets = tuple(range(tokens_per_seq))
+    jit = pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
+                             pass_options={"pg_skip_partition": True})
 
     # The pool is passed twice, as the input the rows are read from and the output they are
     # written to (one tensor read and assembled into in one kernel fails to compile in
     # pypto 0.2.0: F21007); the host passes the same storage for both.
-    @pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
-                        pass_options={"pg_skip_partition": True})
+    @jit
     def gdr_decode_kernel(
         q: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
         k: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
@@ -268,7 +316,35 @@ def build_decode_kernel(
                 if row_out >= 0:
                     store_states(pool_out, states, row_out, first_head)
 
-    return gdr_decode_kernel
+    # The gated variant: the same body with the raw gate's parameters (a second jit function:
+    # pypto reads the signature, and the plain kernel keeps its arguments).
+    @jit
+    def gdr_decode_gated_kernel(
+        q: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
+        k: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
+        v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
+        g: pypto.Tensor([num_tokens, num_v_heads], fp32),
+        beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
+        gate_params: pypto.Tensor([2, num_v_heads], fp32),
+        read_rows: pypto.Tensor([batch_bucket, 1], pypto.DT_INT32),
+        write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
+        pool: pypto.Tensor([pool_rows, dv], pool_dt),
+        o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),
+        pool_out: pypto.Tensor([pool_rows, dv], pool_dt),
+    ):
+        for body in pypto.loop(num_bodies, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+            seq = body // bodies_per_seq
+            first_head = (body % bodies_per_seq) * heads_per_body
+            gates = gate_terms(gate_params, first_head)
+            states = start_states(pool, read_rows, seq, first_head)
+            for j in token_offsets:
+                token = seq * tokens_per_seq + j
+                states = body_token_step(q, k, v, g, beta, o, states, token, first_head, gates)
+                row_out = write_rows[token]
+                if row_out >= 0:
+                    store_states(pool_out, states, row_out, first_head)
+
+    return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel
 
 
 def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tokens_per_seq: int,

@@ -10,7 +10,8 @@ with one warning per reason. Both ops trust their arguments: dispatch has checke
 that the backend serves the call (:mod:`.backend`).
 
 fla's gate and beta activations (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``,
-``allow_neg_eigval``) are not in the PyPTO kernels yet: the ops apply them in torch on the
+``allow_neg_eigval``) are not in the PyPTO chunked kernels yet (the decode kernel over a
+pool computes them: :mod:`.kernel_decode`): the ops apply them in torch on the
 way in and their chain rule on the way out (:func:`torch_gdr._gating.activate_call` and
 :func:`torch_gdr._gating.gating_backward`, through :mod:`torch_gdr.ops._define`), so the
 kernels see activated g and beta.

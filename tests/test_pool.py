@@ -400,6 +400,8 @@ DECODE_ERRORS = {
     "pool_device": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, device="meta")), ValueError,
                     r"initial_state: expected the pool on cpu"),
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),
+    "grad_dt_bias": (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2, requires_grad=True)),
+                     ValueError, r"dt_bias: requires grad, but state pools are for inference"),
     "not_in_place": (dict(inplace_final_state=False), ValueError,
                      r"inplace_final_state: only True \(states written into the pool's rows\) is supported, got False"),
     "index_dtype": (dict(idx=torch.tensor([[0.0, 1.0], [2.0, 3.0]])), TypeError,

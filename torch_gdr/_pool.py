@@ -443,6 +443,12 @@ def _segments(plan: PoolPlan) -> list[list[int]]:
     return bounds
 
 
+def check_pool_tensors(q: Tensor, v: Tensor, pool: object, state_v_first: bool) -> None:
+    """The checks of ``pool`` that read no index values (type, dtype, shape, strides, device
+    against q ``[..., H, K]`` and v ``[..., HV, V]``): safe to run where a host sync is not."""
+    _check_pool(pool, v.shape[-2], q.shape[-1], v.shape[-1], state_v_first, q.device)
+
+
 def check_no_grad(**tensors: Optional[Tensor]) -> None:
     """Pools are for inference: with grad mode on, ``ValueError`` naming the first of
     ``tensors`` (argument name -> tensor or None) that requires grad."""

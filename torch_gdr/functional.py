@@ -365,6 +365,9 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"initial_state: expected the state pool tensor with ssm_state_indices, got "
                         f"{type(pool).__name__}")
+    # here, where grad mode is still seen (a backend's op runs below autograd)
+    check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, A_log=gating["A_log"],
+                  dt_bias=gating["dt_bias"])
     o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
                       validate=validate, backend=backend, gating=Gating(**gating))

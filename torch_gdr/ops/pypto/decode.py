@@ -97,6 +97,9 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                                state_v_first=state_v_first, validate=validate, kernel_getter=kernel_getter,
                                gating=gating)
     gating = gating or Gating()
+    # the checks that read no index values, before the op: inside it a pool on another
+    # device would reach that device's kernel (the fake on "meta") instead of this error
+    _pool.check_pool_tensors(q, v, pool, state_v_first)
     return _pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                          None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel), bool(state_v_first),
                          bool(validate), *gating)

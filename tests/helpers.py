@@ -39,3 +39,20 @@ def chunked_reference(inputs: dict, **options) -> tuple[torch.Tensor, torch.Tens
     call = canonical(inputs, **options)
     o, final_state, _ = chunk_gated_delta_rule_fwd(call)
     return call.public_outputs(o, final_state)
+
+
+def assert_compiled_matches_eager(loss, inputs: dict, names: Sequence[str]) -> None:
+    """``loss(*inputs[names])`` under ``torch.compile(fullgraph=True)`` (aot_eager) against
+    eager: the value and the gradient of every named input (fresh leaves for each run)."""
+
+    def value_and_grads(fn):
+        leaves = [inputs[n].detach().clone().requires_grad_() for n in names]
+        value = fn(*leaves)
+        return value, torch.autograd.grad(value, leaves)
+
+    torch._dynamo.reset()
+    got, got_grads = value_and_grads(torch.compile(loss, fullgraph=True, backend="aot_eager"))
+    want, want_grads = value_and_grads(loss)
+    torch.testing.assert_close(got, want)
+    for name, g, w in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(g, w, msg=name)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_gdr
-from tests.helpers import make_inputs
+from tests.helpers import assert_compiled_matches_eager, make_inputs
 from torch_gdr.ops.pypto import is_pypto_available
 
 BACKENDS = ["torch", "recurrent",
@@ -28,17 +28,7 @@ def test_fullgraph_forward_and_backward(backend: str) -> None:
                                                 cu_seqlens=inputs["cu_seqlens"], backend=backend)
         return (o * o).sum() + s.sum()
 
-    def grads(fn):
-        leaves = [inputs[n].detach().clone().requires_grad_() for n in names]
-        value = fn(*leaves)
-        return value, torch.autograd.grad(value, leaves)
-
-    torch._dynamo.reset()
-    got, got_grads = grads(torch.compile(loss, fullgraph=True, backend="aot_eager"))
-    want, want_grads = grads(loss)
-    torch.testing.assert_close(got, want)
-    for name, g, w in zip(names, got_grads, want_grads):
-        torch.testing.assert_close(g, w, msg=name)
+    assert_compiled_matches_eager(loss, inputs, names)
 
 
 @pytest.mark.slow

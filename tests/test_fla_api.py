@@ -21,6 +21,7 @@ import torch_gdr
 from torch_gdr.dispatch import BACKENDS, CallSpec
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
+from tests.helpers import assert_compiled_matches_eager
 
 #: rmse ratio against the float64 recurrence on the same float32 inputs (far inside fla's
 #: own bounds of 0.005 on o and 0.02 on the gate gradients)
@@ -365,17 +366,7 @@ def test_compile_fullgraph_with_the_activation_arguments(backend: str, monkeypat
                                                       x["cu_seqlens"], 16, False, True, A_log, dt_bias, True, True)
         return (o * o).sum() + s.sum()
 
-    def grads(fn):
-        leaves = [x[n].detach().clone().requires_grad_() for n in names]
-        value = fn(*leaves)
-        return value, torch.autograd.grad(value, leaves)
-
-    torch._dynamo.reset()
-    got, got_grads = grads(torch.compile(loss, fullgraph=True, backend="aot_eager"))
-    want, want_grads = grads(loss)
-    torch.testing.assert_close(got, want)
-    for name, g, w in zip(names, got_grads, want_grads):
-        torch.testing.assert_close(g, w, msg=name)
+    assert_compiled_matches_eager(loss, x, names)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

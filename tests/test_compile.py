@@ -11,7 +11,8 @@ from tests.helpers import assert_compiled_matches_eager, make_inputs
 from torch_gdr.ops.pypto import is_pypto_available
 
 BACKENDS = ["torch", "recurrent",
-            pytest.param("pypto", marks=pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed"))]
+            pytest.param("pypto", marks=[pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed"),
+                                         pytest.mark.slow])]  # the interpreter under autograd: seconds
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -105,7 +105,7 @@ def test_a_nonfinite_input_spreads_only_as_in_the_recurrence_pypto(case: str) ->
 
 
 @pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed")
-@pytest.mark.parametrize("big", [-1e6, float("-inf")])
+@pytest.mark.parametrize("big", [pytest.param(-1e6, marks=pytest.mark.slow), float("-inf")])
 def test_extreme_decays_pypto_forward_and_backward(big: float) -> None:
     """The PyPTO kernels (interpreter) under extreme decays: the forward at the recurrence's
     accuracy, every gradient within the kernel tests' bound of autograd through it."""

@@ -318,7 +318,7 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl, case", backend_params(sorted(PREFILL_CASES), fast_on_pypto=("checkpoints_1d",)))
+@pytest.mark.parametrize("impl, case", backend_params(sorted(PREFILL_CASES), fast_on_pypto=()))
 def test_prefill_against_each_request_alone(impl: str, case: str) -> None:
     lens, initial, final, offsets, rows, opts = PREFILL_CASES[case]
     run_prefill_case(lens, initial, final, offsets, rows, backend=impl, **opts)

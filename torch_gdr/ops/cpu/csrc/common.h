@@ -7,7 +7,7 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__SSE2__)

@@ -15,9 +15,9 @@ namespace gdr {
 
 namespace {
 
-// Columns per block (the AVX-512 path takes blocks of 32 or 16, the rest the generic one):
-// 32 columns of 128 rows are 16 KiB, which stay in L1 while the block is rewritten; 32 beat
-// 64 and 16 in the decode bench (bench/RESULTS.md).
+// Columns per block (the vector path takes blocks of 1 to 4 registers' width, the rest the
+// generic one): 32 columns of 128 rows are 16 KiB, which stay in L1 while the block is
+// rewritten; 32 beat 64 and 16 in the decode bench (bench/RESULTS.md).
 constexpr int64_t kBlock = 32;
 // Tokens whose inputs are prepared together (their q, k, v in float32 in scratch).
 constexpr int64_t kGroup = 8;
@@ -67,61 +67,90 @@ inline void block_generic(const TokenIn& t, const float* src, float* dst, int64_
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define GDR_SIMD_BLOCK 1
+// The vector registers of the block kernel below: 16 floats (AVX-512) or 8 (AVX2 + FMA).
+struct Vec {
 #if defined(__AVX512F__)
-// The same for a block of 16 * NV columns, its S^T k and S^T q held in registers. `next`
-// (or null): the block to run after this one (row stride V), prefetched into L2 row by row
-// during the write; out of place, pass 1 prefetches the destination rows for writing (no
-// read-for-ownership stall in pass 2).
+  using R = __m512;
+  static constexpr int kLanes = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }   // a b + c
+  static R fnmadd(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+#else
+  using R = __m256;
+  static constexpr int kLanes = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R fnmadd(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+#endif
+};
+
+// Prefetch the cache lines of `n` floats from `p` (64-byte lines): for writing (`write`) or
+// into L2 for reading soon.
+inline void prefetch_floats(const float* p, int64_t n, bool write) {
+  for (int64_t i = 0; i < n; i += 16) {
+    if (write) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_ET0);
+    else _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+  }
+}
+
+// The same for a block of Vec::kLanes * NV columns, its S^T k and S^T q held in registers.
+// `next` (or null): the block to run after this one (row stride V), prefetched into L2 row
+// by row during the write; out of place, pass 1 prefetches the destination rows for writing
+// (no read-for-ownership stall in pass 2).
 template <int NV, typename T>
-inline void block_avx512(const TokenIn& t, const float* src, float* dst, int64_t K, int64_t V, float* obuf,
-                         T* out, const float* next) {
-  __m512 sk[NV], sq[NV], u[NV];
+inline void block_simd(const TokenIn& t, const float* src, float* dst, int64_t K, int64_t V, float* obuf,
+                       T* out, const float* next) {
+  constexpr int L = Vec::kLanes, W = L * NV;
+  Vec::R sk[NV], sq[NV], u[NV];
 #pragma GCC unroll 4
-  for (int i = 0; i < NV; ++i) sk[i] = _mm512_setzero_ps(), sq[i] = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) sk[i] = Vec::zero(), sq[i] = Vec::zero();
   if (src) {
     for (int64_t r = 0; r < K; ++r) {
       const float* row = src + r * V;
-      const __m512 kr = _mm512_set1_ps(t.k[r]), qr = _mm512_set1_ps(t.q[r]);
-      if (src != dst) {  // out of place: own the destination row before pass 2 writes it
-#pragma GCC unroll 4
-        for (int i = 0; i < NV; ++i) _mm_prefetch(reinterpret_cast<const char*>(dst + r * V + 16 * i), _MM_HINT_ET0);
-      }
+      const Vec::R kr = Vec::set1(t.k[r]), qr = Vec::set1(t.q[r]);
+      if (src != dst) prefetch_floats(dst + r * V, W, true);  // own the destination row before pass 2
 #pragma GCC unroll 4
       for (int i = 0; i < NV; ++i) {
-        const __m512 x = _mm512_loadu_ps(row + 16 * i);
-        sk[i] = _mm512_fmadd_ps(x, kr, sk[i]);
-        sq[i] = _mm512_fmadd_ps(x, qr, sq[i]);
+        const Vec::R x = Vec::load(row + L * i);
+        sk[i] = Vec::fmadd(x, kr, sk[i]);
+        sq[i] = Vec::fmadd(x, qr, sq[i]);
       }
     }
   }
-  const __m512 alpha = _mm512_set1_ps(t.alpha), b = _mm512_set1_ps(t.beta);
-  const __m512 oscale = _mm512_set1_ps(t.oscale), kq = _mm512_set1_ps(t.kq);
+  const Vec::R alpha = Vec::set1(t.alpha), b = Vec::set1(t.beta);
+  const Vec::R oscale = Vec::set1(t.oscale), kq = Vec::set1(t.kq);
 #pragma GCC unroll 4
   for (int i = 0; i < NV; ++i) {
-    u[i] = _mm512_mul_ps(b, _mm512_fnmadd_ps(alpha, sk[i], _mm512_loadu_ps(t.v + 16 * i)));
-    const __m512 o = _mm512_fmadd_ps(oscale, sq[i], _mm512_mul_ps(kq, u[i]));
+    u[i] = Vec::mul(b, Vec::fnmadd(alpha, sk[i], Vec::load(t.v + L * i)));
+    const Vec::R o = Vec::fmadd(oscale, sq[i], Vec::mul(kq, u[i]));
     if constexpr (std::is_same_v<T, float>) {
-      _mm512_storeu_ps(out + 16 * i, o);
+      Vec::store(out + L * i, o);
     } else {
-      _mm512_storeu_ps(obuf + 16 * i, o);
+      Vec::store(obuf + L * i, o);
     }
   }
-  if constexpr (!std::is_same_v<T, float>) store_row(obuf, out, 16 * NV);
+  if constexpr (!std::is_same_v<T, float>) store_row(obuf, out, W);
   for (int64_t r = 0; r < K; ++r) {
     float* row = dst + r * V;
-    const __m512 kr = _mm512_set1_ps(t.k[r]);
-    if (next) {  // the next block's row streams into L2 while this one is written
-#pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + r * V + 16 * i), _MM_HINT_T1);
-    }
+    const Vec::R kr = Vec::set1(t.k[r]);
+    if (next) prefetch_floats(next + r * V, W, false);  // the next block streams into L2 meanwhile
     if (src) {
       const float* srow = src + r * V;
 #pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i)
-        _mm512_storeu_ps(row + 16 * i, _mm512_fmadd_ps(alpha, _mm512_loadu_ps(srow + 16 * i), _mm512_mul_ps(kr, u[i])));
+      for (int i = 0; i < NV; ++i) Vec::store(row + L * i, Vec::fmadd(alpha, Vec::load(srow + L * i), Vec::mul(kr, u[i])));
     } else {
 #pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(row + 16 * i, _mm512_mul_ps(kr, u[i]));
+      for (int i = 0; i < NV; ++i) Vec::store(row + L * i, Vec::mul(kr, u[i]));
     }
   }
 }
@@ -135,11 +164,15 @@ inline void step_block(const TokenIn& t, const float* src, float* dst, int64_t K
   float* d = dst + j0;
   TokenIn tb = t;
   tb.v = t.v + j0;
-#if defined(__AVX512F__)
-  switch (w) {
-    case 32: return block_avx512<2>(tb, s, d, K, V, scratch, out + j0, next);
-    case 16: return block_avx512<1>(tb, s, d, K, V, scratch, out + j0, next);
-    default: break;
+#if defined(GDR_SIMD_BLOCK)
+  if (w % Vec::kLanes == 0) {
+    switch (w / Vec::kLanes) {  // kBlock / Vec::kLanes registers at most
+      case 1: return block_simd<1>(tb, s, d, K, V, scratch, out + j0, next);
+      case 2: return block_simd<2>(tb, s, d, K, V, scratch, out + j0, next);
+      case 3: return block_simd<3>(tb, s, d, K, V, scratch, out + j0, next);
+      case 4: return block_simd<4>(tb, s, d, K, V, scratch, out + j0, next);
+      default: break;
+    }
   }
 #endif
   block_generic(tb, s, d, K, V, w, scratch, scratch + kBlock, scratch + 2 * kBlock, out + j0);

@@ -143,6 +143,12 @@ DECODE_CASES = {
     "fp16_pool_v_first": ([2, 3], 3, [3, 2], dict(pool_dtype=torch.float16, v_first=True)),
     "bf16_inputs": ([2, 1], 2, [1, 2], dict(dtype=torch.bfloat16)),
     "swapped_head_dims": ([3, 1, 2], 3, [2, 1, 3], dict(swap_dims=True)),  # K > V
+    # inplace_final_state=False: the pool only read, the state after every token returned
+    "out_of_place": ([2, 0, 3, 1], 3, [2, 1, 3, 1], dict(out_of_place=True, rows=[[4, 9, 1], [-1, 3, 3], [5, 5, 2],
+                                                                                 [-1, 0, 0]])),
+    "out_of_place_1d_several_tokens": ([4, 1, 3], None, None, dict(out_of_place=True, token_major=True)),
+    "out_of_place_bf16_v_first": ([1, 2], 2, None, dict(out_of_place=True, pool_dtype=torch.bfloat16, v_first=True,
+                                                        pad=3)),
 }
 
 
@@ -175,14 +181,23 @@ def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepte
     args = [x[f] for f in FIELDS]
     if opts.get("token_major"):
         args = [t.squeeze(0) for t in args]
+    out_of_place = opts.get("out_of_place", False)
     with torch.no_grad():
-        o = STEPS[backend](*args, scale, pool, idx, acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
-                           state_v_first=v_first)
+        if out_of_place:
+            o, token_states = torch_gdr.fused_recurrent_gated_delta_rule(
+                *args[:4], beta=args[4], scale=scale, initial_state=pool, ssm_state_indices=idx,
+                num_accepted_tokens=acc, inplace_final_state=False, backend=backend, cu_seqlens=cu,
+                use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first)
+            assert token_states.shape == (sum(lens), *pool.shape[1:]) and token_states.dtype == pool_dtype
+        else:
+            o = STEPS[backend](*args, scale, pool, idx, acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+                               state_v_first=v_first)
     assert o.shape == args[2].shape and o.dtype == in_dtype
     o = o.reshape(-1, hv, dv)
 
     before_pool = before[:, :pool[0].numel()].view(pool.shape)
-    expected_rows: dict[int, torch.Tensor] = {}
+    expected_rows: dict[int, torch.Tensor] = {}  # pool row -> state
+    expected_tokens: dict[int, torch.Tensor] = {}  # out of place: flattened token -> state
     ref_o, out_o = [], []
     for n, length in enumerate(lens):
         if length == 0:
@@ -194,7 +209,9 @@ def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepte
         ref_o += outs
         out_o += [o[t] for t in range(bos[n], bos[n] + length)]
         for j, s in enumerate(states):
-            if rows[n][j] >= 0:
+            if out_of_place:
+                expected_tokens[bos[n] + j] = _rounded(s, pool_dtype)
+            elif rows[n][j] >= 0:
                 expected_rows[rows[n][j]] = _rounded(s, pool_dtype)
     low_precision = pool_dtype != torch.float32 or in_dtype != torch.float32
     if ref_o:
@@ -203,8 +220,11 @@ def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepte
             assert rmse_ratio(ref, out) < 0.005
         else:
             assert rel_err(ref, out) < 1e-5
-    for row, state in expected_rows.items():
-        got = _key_first(pool[row], v_first).double()
+    got_states = [(row, pool[row]) for row in expected_rows]
+    if out_of_place:
+        got_states = [(t, token_states[t]) for t in expected_tokens]
+    for (row, got), state in zip(got_states, [*expected_rows.values(), *expected_tokens.values()]):
+        got = _key_first(got, v_first).double()
         if low_precision:
             assert rmse_ratio(state, got) < 0.005, f"row {row}"
         else:
@@ -404,8 +424,12 @@ DECODE_ERRORS = {
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),
     "grad_dt_bias": (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2, requires_grad=True)),
                      ValueError, r"dt_bias: requires grad, but state pools are for inference"),
-    "not_in_place": (dict(inplace_final_state=False), ValueError,
-                     r"inplace_final_state: only True \(states written into the pool's rows\) is supported, got False"),
+    "in_place_type": (dict(inplace_final_state=1), TypeError, r"inplace_final_state: expected a bool, got int"),
+    # out of place the rows are only read: still in range, acceptance still 1..S
+    "out_of_place_index_past_pool": (dict(idx=torch.tensor([[0, 1], [7, 3]]), inplace_final_state=False), ValueError,
+                                     r"ssm_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 7"),
+    "out_of_place_accepted_zero": (dict(acc=torch.tensor([0, 1]), inplace_final_state=False), ValueError,
+                                   r"num_accepted_tokens: expected values in 1..S = 1..2 .*got 0 at index 0"),
     "index_dtype": (dict(idx=torch.tensor([[0.0, 1.0], [2.0, 3.0]])), TypeError,
                     r"ssm_state_indices: expected dtype int32 or int64, got torch.float32"),
     "index_rank": (dict(idx=torch.zeros(2, 2, 1, dtype=torch.int64)), ValueError,

@@ -166,7 +166,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Optional[Tensor] = None, num_accepted_tokens: Optional[Tensor] = None,
                     initial_state_indices: Optional[Tensor] = None, final_state_indices: Optional[Tensor] = None,
                     checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
-                    validate: bool = True) -> PoolPlan:
+                    validate: bool = True, in_place: bool = True) -> PoolPlan:
     """Check a pool call and return its :class:`PoolPlan`; ``ValueError``/``TypeError``
     naming the argument, what it got and what was expected.
 
@@ -186,6 +186,10 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             shape (see :func:`pool_chunk_prefill`).
         validate: check index values on a device too (index tensors on the CPU are always
             checked).
+        in_place: decode: the states are written into the pool's rows (vLLM's
+            ``inplace_final_state=True``). False: only the start rows are read from the pool
+            (see :func:`token_states_buffer`), so neither the one-row-per-token width nor the
+            rules of written rows apply.
     """
     check_inputs(q, k, v, g, beta, scale, None, cu_seqlens, 64, state_v_first)
     token_major = q.dim() == 3
@@ -215,7 +219,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             if value is not None:
                 raise ValueError(f"{name}: is a prefill argument (with initial_state_indices); a decode call with "
                                  "ssm_state_indices takes none")
-        return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, **common)
+        return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, in_place, **common)
     if num_accepted_tokens is not None:
         raise ValueError("num_accepted_tokens: is a decode argument (with ssm_state_indices); a prefill call takes none")
     return _check_prefill(initial_state_indices, final_state_indices, checkpoint_offsets, checkpoint_indices, device,
@@ -223,7 +227,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
 
 def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], device: torch.device,
-                  validate: bool, **common) -> PoolPlan:
+                  validate: bool, in_place: bool, **common) -> PoolPlan:
     num_seqs, lens, slots = common["num_seqs"], common["seq_lens"], common["slots"]
     idx = _check_index_tensor("ssm_state_indices", ssm_state_indices, device, (1, 2), "[N] or [N, S]")
     if idx.shape[0] != num_seqs or (idx.dim() == 2 and idx.shape[1] < 1):
@@ -231,7 +235,7 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
                          f"{_shape(idx)}")
     width = 1 if idx.dim() == 1 else idx.shape[1]
     longest = max(lens, default=0)
-    if longest > width:
+    if in_place and longest > width:
         n = lens.index(longest)
         if idx.dim() == 1:
             raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
@@ -257,7 +261,7 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
             read = [c - 1 for c in counts.tolist()]
         table = rows.tolist()
         writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs) for j in range(lens[n])
-                  if table[n][j] >= 0]
+                  if in_place and table[n][j] >= 0]
         reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
                  if lens[n] > 0 and table[n][read[n]] >= 0]
         _check_row_conflicts(writes, reads)
@@ -357,6 +361,34 @@ def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, stat
     if state_v_first:
         states = states.transpose(-1, -2)
     pool.index_copy_(0, rows, states.to(pool.dtype))
+
+
+def token_states_buffer(pool: Tensor, plan: PoolPlan) -> tuple[Tensor, Tensor]:
+    """The decode step without writing the pool (vLLM's ``inplace_final_state=False``), as an
+    in-place step over another buffer: the state after every token, at the token's row.
+
+    Returns ``(states, indices)``: ``states [tokens + 1, HV, ...]`` of the pool's dtype and
+    layout, where row ``bos[n]`` holds the start state of sequence n (its pool row, read as
+    the plan says; zeros for -1) and the last row is scratch; ``indices [N, W]`` int64 on the
+    pool's device (W: the longest sequence, at least 1), token j of sequence n at row
+    ``bos[n] + j`` and -1 past its length. A decode step run in place over ``states`` with
+    ``indices`` (no ``num_accepted_tokens``) leaves the state after flattened token t in row
+    t: each sequence's first token reads the start state from the row it then overwrites.
+    ``plan``: from :func:`check_pool_args` with ``in_place=False``. No host sync.
+    """
+    tokens = sum(plan.seq_lens)
+    states = pool.new_empty((tokens + 1, *pool.shape[1:]))
+    read_pos = plan.read_pos if plan.read_pos is not None else torch.zeros_like(plan.indices[:, 0])
+    start = plan.indices.gather(1, read_pos[:, None])[:, 0]
+    start_states = pool.index_select(0, start.clamp_min(0))
+    start_states = torch.where((start >= 0).view(-1, 1, 1, 1), start_states, start_states.new_zeros(()))
+    # a sequence without tokens has no row: its start state goes to the scratch row
+    first_rows = [b if n > 0 else tokens for b, n in zip(plan.bos, plan.seq_lens)]
+    states.index_copy_(0, torch.tensor(first_rows, dtype=torch.int64, device=pool.device), start_states)
+    width = max(max(plan.seq_lens, default=0), 1)
+    table = [[b + j if j < n else -1 for j in range(width)] for b, n in zip(plan.bos, plan.seq_lens)]
+    indices = torch.tensor(table, dtype=torch.int64, device=pool.device).reshape(plan.num_seqs, width)
+    return states, indices
 
 
 # ---------------------------------------------------------------------------------------------

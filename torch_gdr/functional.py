@@ -9,7 +9,7 @@ import torch
 
 from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._layout import canonical_call
-from torch_gdr._pool import check_no_grad, pool_chunk_prefill
+from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, token_states_buffer
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step
@@ -301,8 +301,11 @@ def fused_recurrent_gated_delta_rule(
     float32, bfloat16 or float16); sequence n starts from row ``ssm_state_indices[n, 0]``, or
     ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` when ``num_accepted_tokens`` (``[N]``,
     1..S) is given, and the state after its token j is written to row
-    ``ssm_state_indices[n, j]``, in place (``inplace_final_state=True``, the only mode here).
-    Inference only; returns ``(o, pool)``. ``validate``: check the indices also when they live
+    ``ssm_state_indices[n, j]``, in place; returns ``(o, pool)``. With
+    ``inplace_final_state=False`` the pool is only read (the start rows) and the states go to
+    a new tensor ``[tokens, HV, K, V]`` of the pool's dtype and layout, the state after
+    flattened token t (``cu_seqlens[n] + j``) in row t, any number of tokens per sequence;
+    returns ``(o, states)``. Inference only. ``validate``: check the indices also when they live
     on a device (a host sync); CPU indices are always checked.
 
     Raises:
@@ -358,17 +361,25 @@ def fused_recurrent_gated_delta_rule(
 
 def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
                ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating):
-    """The step over a state pool, in place, on the backend serving it."""
-    if inplace_final_state is not True:
-        raise ValueError(f"inplace_final_state: only True (states written into the pool's rows) is supported, "
-                         f"got {inplace_final_state!r}")
+    """The step over a state pool on the backend serving it: in place, or with the state
+    after every token in a new tensor (``inplace_final_state=False``)."""
+    if not isinstance(inplace_final_state, bool):
+        raise TypeError(f"inplace_final_state: expected a bool, got {type(inplace_final_state).__name__}")
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"initial_state: expected the state pool tensor with ssm_state_indices, got "
                         f"{type(pool).__name__}")
     # here, where grad mode is still seen (a backend's op runs below autograd)
     check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, A_log=gating["A_log"],
                   dt_bias=gating["dt_bias"])
-    o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens=cu_seqlens,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
-                      validate=validate, backend=backend, gating=Gating(**gating))
-    return o, pool
+    step = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+                backend=backend, gating=Gating(**gating))
+    if inplace_final_state:
+        o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
+                          **step)
+        return o, pool
+    plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                           ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                           validate=validate, in_place=False)
+    states, rows = token_states_buffer(pool, plan)
+    o = run_pool_step(q, k, v, g, beta, scale, states, rows, None, validate=False, **step)
+    return o, states[:-1]

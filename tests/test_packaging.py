@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,28 @@ def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, monkeypatch, tm
     assert str(log) in reason and str(tmp_path / "cache") in str(log)
     assert "deliberately refusing to compile" in log.read_text()
     assert not _built_files(tmp_path / "cache")
+
+
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, monkeypatch, tmp_path) -> None:
+    """cpp_extension's baton (a file named ``lock`` whose existence is the lock) outlives a
+    build killed midway; the next first-use build goes ahead rather than wait on it forever."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("the first-use build needs ninja")
+    compiler = tmp_path / "refusing-c++"
+    compiler.write_text(_FAILING_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    directory = fresh_build.build_dir()
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # the killed build's baton
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(fresh_build.load()), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the build waited on the stale baton"
+    assert outcome == [None] and "build failed" in fresh_build.unavailable_reason()
 
 
 # --- whether an install-time module fits ----------------------------------------------------

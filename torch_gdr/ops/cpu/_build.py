@@ -18,8 +18,11 @@ Two places a module can come from:
 
 The GEMMs go to the BLAS torch links (MKL on x86), which dispatches on the CPU by itself.
 
-Thread- and process-safe: one lock per process around the first load, and
-``cpp_extension``'s file baton in the build directory across processes. The outcome is
+Thread- and process-safe: one lock per process around the first load, and across processes
+an OS file lock (``flock``) on ``build.flock`` in the build directory, which the OS releases
+when its holder dies. ``cpp_extension``'s own baton is a file whose existence is the lock: a
+build killed midway leaves it behind, and every later process would wait on it forever; under
+the OS lock no one else is building, so a baton found there is stale and removed. The outcome is
 remembered: :func:`load` returns the same module (or None) from then on, :func:`origin`
 says where it came from and :func:`unavailable_reason` why there is none: no working C++
 compiler, no ninja, a failed build (its output is in a log file named in the reason), or
@@ -28,6 +31,7 @@ sources missing from the installation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -40,7 +44,7 @@ import subprocess
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -54,6 +58,8 @@ _HEADERS = _variants.HEADERS
 
 #: The name of the log a failed first-use build leaves in its build directory.
 BUILD_LOG = "build.log"
+#: The file of the build directory that processes lock while one of them builds.
+BUILD_LOCK = "build.flock"
 
 
 @dataclasses.dataclass
@@ -172,6 +178,24 @@ def _toolchain_problem() -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Hold the build directory against other processes (see the module docstring); where the
+    OS has no ``flock`` (Windows), ``cpp_extension``'s baton alone."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(directory / BUILD_LOCK, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # cpp_extension's baton, stale here
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def _build_at_first_use() -> tuple[Optional[ModuleType], Optional[str]]:
     """Build (or load the earlier build of) this CPU's variant in the cache: the module, or
     None and the reason."""
@@ -184,14 +208,15 @@ def _build_at_first_use() -> tuple[Optional[ModuleType], Optional[str]]:
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / BUILD_LOG
     try:
-        module = cpp_extension.load(
-            name=f"torch_gdr_cpu_{directory.name}",
-            sources=[str(_SOURCE_DIR / s) for s in _SOURCES],
-            extra_cflags=compile_flags(),
-            extra_ldflags=list(_variants.LINK_FLAGS),
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _exclusive(directory):
+            module = cpp_extension.load(
+                name=f"torch_gdr_cpu_{directory.name}",
+                sources=[str(_SOURCE_DIR / s) for s in _SOURCES],
+                extra_cflags=compile_flags(),
+                extra_ldflags=list(_variants.LINK_FLAGS),
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any failure means "no kernels", and says why
         detail = str(exc).strip() or repr(exc)
         try:

@@ -273,8 +273,8 @@ def _activated_gates(g_raw: Any, beta_raw: Any, head: Any, act: Activations, l: 
         g = rate * kernel_gating.softplus(x)
         g_slope = rate * kernel_gating.softplus_slope(x)
     if act.beta_sigmoid:
-        beta = kernel_gating.activated_beta(beta_raw, act.allow_neg_eigval)
-        b_slope = kernel_gating.beta_slope(beta_raw, act.allow_neg_eigval)
+        # one sigmoid for both (kernel_gating.beta_and_slope)
+        beta, b_slope = kernel_gating.beta_and_slope(beta_raw, act.allow_neg_eigval)
     return g, beta, g_slope, b_slope
 
 

@@ -517,15 +517,15 @@ def build_gdr_bwd_kernel(
                         head_chunk(
                             q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
                             dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
-                            first_chunk_row + chunk, True, scale, l, dk, dv, num_v_heads, rows_v, gate_params=gate_params,
-                            d_a_log_out=d_a_log_out)
+                            first_chunk_row + chunk, True, scale, l, dk, dv, num_v_heads, rows_v,
+                            gate_params=gate_params, d_a_log_out=d_a_log_out)
                 else:
                     for head in range(num_v_heads):
                         head_chunk(
                             q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
                             dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
-                            first_chunk_row + chunk, False, scale, l, dk, dv, num_v_heads, rows_v, gate_params=gate_params,
-                            d_a_log_out=d_a_log_out)
+                            first_chunk_row + chunk, False, scale, l, dk, dv, num_v_heads, rows_v,
+                            gate_params=gate_params, d_a_log_out=d_a_log_out)
             pypto.set_vec_tile_shapes(rows_v, 128)
             for head in range(num_v_heads):
                 d_state_final = pypto.view(d_states[head], [dk, dv], [0, 0])

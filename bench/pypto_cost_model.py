@@ -86,6 +86,7 @@ class Workload:
     l2norm: bool = True
     chunk_states: bool = False
     stitch: int | None = None  # pypto's stitch_function_max_num; None: the kernel's default
+    gating: bool = False  # fla's activations in the kernel: raw gate with A_log/dt_bias, beta logits
 
     @property
     def tokens(self) -> int:
@@ -118,16 +119,21 @@ def forward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
     beta = torch.sigmoid(torch.randn(t, w.v_heads, generator=gen))
     cu_seqlens = torch.tensor([0, *torch.tensor(w.lens).cumsum(0).tolist()], dtype=torch.int32)
     s0 = 0.5 * torch.randn(n, w.v_heads, w.head_k_dim, w.head_v_dim, generator=gen) if w.initial_state else None
+    gate_params = []
+    if w.gating:  # raw gate and beta logits; A_log and dt_bias [HV]
+        g, beta = torch.randn(t, w.v_heads, generator=gen), torch.randn(t, w.v_heads, generator=gen)
+        gate_params = [torch.stack([torch.rand(w.v_heads, generator=gen).log(), torch.randn(w.v_heads, generator=gen)])]
     offsets = chunk_offsets(cu_seqlens, chunk)
     kernel = build_gdr_kernel(
         num_seqs=n, num_qk_heads=w.heads, num_v_heads=w.v_heads, head_k_dim=w.head_k_dim,
         head_v_dim=w.head_v_dim, chunk_size=chunk, use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5,
         has_initial_state=w.initial_state, input_dtype=w.dtype, output_chunk_states=w.chunk_states,
+        gate_in_kernel=w.gating, beta_sigmoid_in_kernel=w.gating, allow_neg_eigval=w.gating,
         **({} if w.stitch is None else {"stitch_function_max_num": w.stitch}),
     )
     chunk_states = (torch.zeros(int(offsets[-1]), w.v_heads, w.head_k_dim, w.head_v_dim) if w.chunk_states
                     else torch.zeros(1, 1))
-    inputs = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, cu_seqlens, offsets.int()]
+    inputs = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, *gate_params, cu_seqlens, offsets.int()]
     constants = [chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim)]
     chunk_states_arg = chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states
     ticket = ticket_scratch(n * w.v_heads, chunk)
@@ -142,7 +148,7 @@ def backward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
     """The backward kernel for ``w`` (the forward's kernel chunk size) and its arguments (one launch)."""
     kernel, args = build_bwd_for_cost_model(list(w.lens), heads=w.heads, v_heads=w.v_heads, head_k_dim=w.head_k_dim,
                                     head_v_dim=w.head_v_dim, chunk_size=w.kernel_chunk(),
-                                    has_initial_state=w.initial_state)
+                                    has_initial_state=w.initial_state, gating=w.gating)
     return kernel, [args]
 
 
@@ -445,7 +451,8 @@ def _common_flags(args: argparse.Namespace) -> list[str]:
         if value is not None:
             flags += [name, str(value)]
     for name, on in (("--no-initial-state", args.no_initial_state), ("--no-l2norm", args.no_l2norm),
-                     ("--chunk-states", args.chunk_states), ("--backward", args.backward)):
+                     ("--chunk-states", args.chunk_states), ("--backward", args.backward),
+                     ("--gating", args.gating)):
         if on:
             flags.append(name)
     return flags
@@ -488,8 +495,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
     parser.add_argument("--gating", action="store_true",
-                        help="with --decode: fla's gate and beta activations in the kernel (use_gate_in_kernel with "
-                             "A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)")
+                        help="fla's gate and beta activations in the kernel (use_gate_in_kernel with A_log and "
+                             "dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval): the forward, --backward or "
+                             "--decode kernel")
     parser.add_argument("--out", default=None, help="keep pypto's SIM output and result.json here")
     parser.add_argument("--suite", nargs="?", const="small", default=None, choices=("small", "saturating"),
                         help="run a fixed table: 'small' (the default; H/HV from the flags, make bench-npu) or "
@@ -518,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(heads=args.heads, v_heads=args.v_heads, head_k_dim=args.head_dim,
                   head_v_dim=args.head_v_dim or args.head_dim, chunk_size=args.chunk, dtype=args.dtype,
                   initial_state=not args.no_initial_state, l2norm=not args.no_l2norm,
-                  chunk_states=args.chunk_states, stitch=args.stitch)
+                  chunk_states=args.chunk_states, stitch=args.stitch, gating=args.gating)
     with output_root(args.out) as root:
         if not args.suite:
             w = Workload(lens=tuple(int(x) for x in args.lens.split(",")), **common)
@@ -545,7 +553,8 @@ def main(argv: list[str] | None = None) -> None:
                  + (f"H={args.heads}, HV={args.v_heads}, " if args.suite == "small" else "")
                  + f"K={common['head_k_dim']}, V={common['head_v_dim']}, "
                  f"{args.dtype}, l2norm {'off' if args.no_l2norm else 'on'}, initial state "
-                 f"{'off' if args.no_initial_state else 'on'}; µs = cycles / 1800.\n\n")
+                 f"{'off' if args.no_initial_state else 'on'}{', gating in kernel' if args.gating else ''}; "
+                 "µs = cycles / 1800.\n\n")
         table = title + suite_table(rows) + "\n"
         print(table)
         if args.append:

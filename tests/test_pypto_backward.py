@@ -3,6 +3,10 @@
 
 Loss ``sum(o * grad_o) + sum(final_state * grad_final_state)``; tolerance, elementwise on
 every gradient for fp32 inputs: ``|kernel - ref| <= 1e-3 |ref| + 1e-4``.
+
+Cases with fla's activations (``Case.activations``) pass the raw gate, beta logits,
+``A_log`` and ``dt_bias``; the reference applies the activations written out here in
+float64, and the forward's o and final state are checked too.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_gdr
 from torch_gdr import testing
@@ -32,7 +37,7 @@ from torch_gdr.ops.pypto.backward import (  # noqa: E402
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 from torch_gdr.ops.torch.utils import l2norm  # noqa: E402
 
-GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state", "dA_log", "ddt_bias")
 
 
 @dataclass
@@ -48,6 +53,44 @@ class Case:
     scale: Optional[float] = None
     gate: Optional[float] = None  # a constant g instead of logsigmoid(randn)
     seed: int = 0
+    #: fla's activations: (use_gate_in_kernel, with dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    activations: tuple[bool, bool, bool, bool] = (False, False, False, False)
+
+
+#: Raw gates this large pass softplus's threshold (softplus(x) = x, slope 1 above 20) and float32's
+#: exp range (exp(100) = inf: log1p(exp(x)) there would be a reset, not the decay -exp(A_log) x).
+ABOVE_THRESHOLD = 100.0
+
+
+def _raw_activation_inputs(x: dict, case: Case) -> dict:
+    """``x`` with the raw gate and beta logits where ``case.activations`` asks, ``A_log``,
+    ``dt_bias`` and the call's activation flags (``x["gating"]``); a raw gate of every
+    sequence's first token above softplus's threshold."""
+    use_gate, with_bias, use_sigmoid, neg_eigval = case.activations
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    num_v_heads = x["v"].shape[-2]
+    x.update(A_log=None, dt_bias=None, gating=dict(use_beta_sigmoid_in_kernel=use_sigmoid,
+                                                   allow_neg_eigval=neg_eigval))
+    if use_gate:
+        x["g"] = 2.0 * torch.randn(x["g"].shape, generator=gen)
+        x["g"][x["cu_seqlens"][:-1].long().clamp(max=max(x["g"].shape[0] - 1, 0))] = ABOVE_THRESHOLD
+        x["A_log"] = torch.empty(num_v_heads).uniform_(0.05, 2.0, generator=gen).log()
+        if with_bias:
+            x["dt_bias"] = torch.randn(num_v_heads, generator=gen)
+        x["gating"]["use_gate_in_kernel"] = True
+    if use_sigmoid:
+        x["beta"] = 2.0 * torch.randn(x["beta"].shape, generator=gen)
+    return x
+
+
+def _activated_by_hand(g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
+                       dt_bias: Optional[torch.Tensor], gating: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's documented activations, written out (float64 in, float64 out)."""
+    if gating.get("use_gate_in_kernel"):
+        g = -A_log.exp() * F.softplus(g if dt_bias is None else g + dt_bias)
+    if gating["use_beta_sigmoid_in_kernel"]:
+        beta = torch.sigmoid(beta) * (2.0 if gating["allow_neg_eigval"] else 1.0)
+    return g, beta
 
 
 def make_inputs(case: Case, dtype: torch.dtype = torch.float32) -> dict:
@@ -64,31 +107,51 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float32) -> dict:
     grad_o = torch.randn(x["v"].shape, generator=gen)
     initial_state = x["initial_state"].float() if case.with_initial_state else None
     grad_final_state = torch.randn(initial_state.shape, generator=gen) if case.with_initial_state else None
+    x = _raw_activation_inputs(x, case)
     inputs = {name: x[name].to(dtype) for name in ("q", "k", "v", "g", "beta")}
     return dict(inputs, grad_o=grad_o.to(dtype), cu_seqlens=x["cu_seqlens"].int(), initial_state=initial_state,
-                grad_final_state=grad_final_state)
+                grad_final_state=grad_final_state, A_log=x["A_log"], dt_bias=x["dt_bias"], gating=x["gating"])
 
 
-def reference_grads(x: dict, *, scale: float, use_qk_l2norm: bool) -> list[Optional[torch.Tensor]]:
+def _head_params(x: dict) -> list[torch.Tensor]:
+    """The call's A_log and dt_bias, those it has."""
+    return [t for t in (x["A_log"], x["dt_bias"]) if t is not None]
+
+
+def reference_grads(x: dict, *, scale: float, use_qk_l2norm: bool,
+                    outputs: Optional[dict] = None) -> list[Optional[torch.Tensor]]:
     """Autograd through the float64 per-token recurrence (on the inputs as given, so bf16
-    inputs are compared on their rounded values)."""
+    inputs are compared on their rounded values), fla's activations applied by hand first
+    where the call asks (then the gradients of A_log and dt_bias follow, None where
+    absent). ``outputs``, if given, receives the reference o and final state."""
     leaves = [x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    params = [t.double().requires_grad_() for t in _head_params(x)]
+    A_log, dt_bias = (params + [None, None])[:2] if x["A_log"] is not None else (None, None)
+    g, beta = _activated_by_hand(leaves[3], leaves[4], A_log, dt_bias, x["gating"])
     initial = x["initial_state"]
     initial = None if initial is None else initial.double().requires_grad_()
     o, final_state = naive_recurrent_gated_delta_rule(
-        *(t.unsqueeze(0) for t in leaves), scale=scale, initial_state=initial, output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=x["cu_seqlens"].long())
+        *(t.unsqueeze(0) for t in leaves[:3] + [g, beta]), scale=scale, initial_state=initial,
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=x["cu_seqlens"].long())
+    if outputs is not None:
+        outputs.update(o=o[0].detach(), final_state=final_state.detach())
     loss = (o[0] * x["grad_o"].double()).sum()
     if x["grad_final_state"] is not None:
         loss = loss + (final_state * x["grad_final_state"].double()).sum()
-    wrt = leaves + ([initial] if initial is not None else [])
+    wrt = leaves + ([initial] if initial is not None else []) + params
     grads = list(torch.autograd.grad(loss, wrt))
-    return grads + ([] if initial is not None else [None])
+    grads = grads[:5] + ([grads[5]] if initial is not None else [None]) + grads[len(wrt) - len(params):]
+    if x["gating"].get("use_gate_in_kernel"):
+        grads += [None] * (8 - len(grads))  # no dt_bias
+    return grads
 
 
-def kernel_grads(x: dict, case: Case, *, scale: float, chunk_states: Optional[torch.Tensor] = None) -> tuple:
+def kernel_grads(x: dict, case: Case, *, scale: float, chunk_states: Optional[torch.Tensor] = None,
+                 outputs: Optional[dict] = None) -> tuple:
     """The kernel's gradients: through the public call (``backend="pypto"``, autograd) or,
-    given ``chunk_states``, through the host function that takes them."""
+    given ``chunk_states``, through the host function that takes them. With fla's
+    activations, those of A_log and dt_bias (None where absent) follow; ``outputs``, if
+    given, receives the public call's o and final state."""
     if chunk_states is not None:
         return pypto_chunk_gated_delta_rule_bwd(
             x["grad_o"], x["grad_final_state"], *(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
@@ -97,20 +160,26 @@ def kernel_grads(x: dict, case: Case, *, scale: float, chunk_states: Optional[to
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     initial = x["initial_state"]
     initial = None if initial is None else initial.detach().clone().requires_grad_()
+    params = {n: (None if x[n] is None else x[n].detach().clone().requires_grad_()) for n in ("A_log", "dt_bias")}
     launches = pypto_backward.launch_count()
     o, final_state = torch_gdr.chunk_gated_delta_rule(
         *leaves, scale=scale, initial_state=initial, output_final_state=True,
         use_qk_l2norm_in_kernel=case.use_qk_l2norm, cu_seqlens=x["cu_seqlens"], chunk_size=case.chunk_size,
-        backend="pypto")
+        backend="pypto", **params, **x["gating"])
+    if outputs is not None:
+        outputs.update(o=o.detach(), final_state=final_state.detach())
     loss = (o * x["grad_o"]).sum()
     if x["grad_final_state"] is not None:
         loss = loss + (final_state * x["grad_final_state"]).sum()
-    wrt = leaves + ([initial] if initial is not None else [])
+    wrt = leaves + ([initial] if initial is not None else []) + [t for t in params.values() if t is not None]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to the pure-torch backward
         grads = list(torch.autograd.grad(loss, wrt))
     assert pypto_backward.launch_count() == launches + (1 if sum(case.lens) else 0), "the kernel did not run"
-    return tuple(grads) + (() if initial is not None else (None,))
+    grads = grads[:5] + ([grads[5]] if initial is not None else [None]) + grads[len(leaves) + (initial is not None):]
+    if params["A_log"] is not None and params["dt_bias"] is None:
+        grads.append(None)
+    return tuple(grads)
 
 
 def assert_grads_close(got: tuple, want: list, *, rtol: float = 1e-3, atol: float = 1e-4) -> None:
@@ -161,6 +230,45 @@ def test_larger_cases_match_autograd_through_the_recurrence(case: Case) -> None:
     x = make_inputs(case)
     scale = case.head_k_dim ** -0.5
     assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))
+
+
+#: fla's activations in the kernels (Case.activations: gate, dt_bias, beta sigmoid, neg eigval)
+ACTIVATION_CASES = {
+    "all_varlen_70_0_33_gva_1to2_initial_state": Case(
+        [70, 0, 33], 64, num_qk_heads=1, num_v_heads=2, with_initial_state=True,
+        activations=(True, True, True, True)),
+    "gate_without_dt_bias_T128": Case([128], 64, activations=(True, False, False, False)),
+    "beta_sigmoid_T100_gva_2to4_initial_state": Case(
+        [100], 64, num_qk_heads=2, num_v_heads=4, with_initial_state=True, activations=(False, False, True, False)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES.values()), ids=list(ACTIVATION_CASES))
+def test_activations_in_the_kernels_match_the_definition(case: Case) -> None:
+    """The raw gate, beta logits, A_log and dt_bias through the public call: the forward and
+    backward kernels apply the activations (their cache keys say so, and the op layer does
+    not: the kernels read the raw values), o, the final state and every gradient against
+    the recurrence on activations computed by hand in float64."""
+    from torch_gdr import dispatch
+
+    dispatch.cache_clear()
+    x = make_inputs(case)
+    scale = case.head_k_dim ** -0.5
+    got_outputs, want_outputs = {}, {}
+    got = kernel_grads(x, case, scale=scale, outputs=got_outputs)
+    want = reference_grads(x, scale=scale, use_qk_l2norm=True, outputs=want_outputs)
+    for name in ("o", "final_state"):
+        err = (got_outputs[name].double() - want_outputs[name]).abs()
+        assert bool((err <= 1e-3 * want_outputs[name].abs() + 1e-4).all()), f"{name}: max abs err {err.max():.3g}"
+    use_gate, _, use_sigmoid, neg_eigval = case.activations
+    assert len(got) == len(want) == (8 if use_gate else 6)  # dA_log, ddt_bias (None without) with the gate
+    assert_grads_close(got, want)
+    info = dispatch.cache_info()
+    for key in info.forward.keys + info.backward.keys:
+        assert (key.gate_in_kernel, key.beta_sigmoid_in_kernel, key.allow_neg_eigval) == (
+            use_gate, use_sigmoid, neg_eigval), key
+    dispatch.cache_clear()
 
 
 def test_bf16_inputs_give_bf16_gradients_close_to_the_recurrence() -> None:

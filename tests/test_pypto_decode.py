@@ -177,9 +177,9 @@ def test_in_kernel_gating_cases(case: str, monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.slow
 def test_step_without_pool_still_gets_the_activations() -> None:
-    """The pypto step without a pool (the chunked kernel, which takes activated g and beta)
-    with fla's activation arguments: dispatch activates them for it, since only the pool
-    step's kernel applies them itself."""
+    """The pypto step without a pool (one launch of the chunked kernel) with fla's
+    activation arguments: the raw gate and beta logits reach the chunked kernel, which
+    applies the activations itself."""
     x = make_inputs(seqlens=[2], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64, dtype=torch.float32,
                     seed=4)
     cu = x.pop("cu_seqlens")

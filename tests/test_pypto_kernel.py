@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_gdr
 from torch_gdr import testing
@@ -60,6 +61,25 @@ def reference_tnd(inputs: dict, *, scale: float, use_qk_l2norm: bool) -> tuple[t
     return o[0], state
 
 
+def with_raw_activations(inputs: dict, seed: int = 0) -> tuple[dict, dict, dict]:
+    """fla's activations, all on: ``(inputs with the raw gate and beta logits, the call's
+    activation arguments, the inputs the reference reads)``: the reference's g and beta are
+    ``-exp(A_log) softplus(a + dt_bias)`` and ``2 sigmoid(b)``, written out in float64; one
+    raw gate past float32's exp range (softplus's threshold)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    num_v_heads = inputs["v"].shape[-2]
+    a = 2.0 * torch.randn(inputs["g"].shape, generator=gen)
+    a[0] = 100.0
+    b = 2.0 * torch.randn(inputs["beta"].shape, generator=gen)
+    A_log = torch.empty(num_v_heads).uniform_(0.05, 2.0, generator=gen).log()
+    dt_bias = torch.randn(num_v_heads, generator=gen)
+    activated = dict(inputs, g=-A_log.double().exp() * F.softplus(a.double() + dt_bias.double()),
+                     beta=2.0 * torch.sigmoid(b.double()))
+    gating = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+                  allow_neg_eigval=True)
+    return dict(inputs, g=a, beta=b), gating, activated
+
+
 def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.double() - want).abs()
     bound = 1e-3 * want.abs() + 1e-4
@@ -68,23 +88,26 @@ def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) ->
 
 
 def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: bool, scale: float | None = None,
-                              public_call: bool = True):
+                              public_call: bool = True, gating: dict | None = None,
+                              reference_inputs: dict | None = None):
     """Kernel vs the float64 recurrence. By default through the public call
     (``torch_gdr.chunk_gated_delta_rule(..., backend="pypto")`` on token-major CPU tensors);
-    ``public_call=False`` calls the host forward directly (float32 output whatever the input)."""
+    ``public_call=False`` calls the host forward directly (float32 output whatever the input).
+    ``gating``: fla's activation arguments of the call (:func:`with_raw_activations`), with
+    ``reference_inputs`` the inputs the reference reads instead of ``inputs``."""
     head_k_dim = inputs["q"].shape[-1]
     scale = head_k_dim ** -0.5 if scale is None else scale
     if public_call:
         o, final_state = torch_gdr.chunk_gated_delta_rule(
             *(inputs[n] for n in ("q", "k", "v", "g", "beta")), scale, inputs["initial_state"], True,
             use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=inputs["cu_seqlens"], chunk_size=chunk_size,
-            backend="pypto")
+            backend="pypto", **(gating or {}))
     else:
         o, final_state, _ = pypto_chunk_gated_delta_rule_fwd(
             *(inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")),
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, chunk_size=chunk_size,
         )
-    ref_o, ref_state = reference_tnd(inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    ref_o, ref_state = reference_tnd(reference_inputs or inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
     assert o.dtype == torch.float32 and final_state.dtype == torch.float32
     assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
     for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
@@ -125,18 +148,26 @@ def test_chunk_128_head_dim_128_gva() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "activations_in_kernel"])
 @pytest.mark.parametrize("body_heads", [4, 2])
-def test_several_value_heads_per_loop_body(body_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_several_value_heads_per_loop_body(body_heads: int, gated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop body that runs several value heads side by side (what saturating launches get,
     see :func:`heads_per_body`), forced here on a small launch: GVA with two q/k heads per
-    body at 4, uneven sequences with a tail chunk and an initial state."""
+    body at 4, uneven sequences with a tail chunk and an initial state; ``gated``: fla's
+    activations in the kernel (raw gate, A_log, dt_bias, beta logits, allow_neg_eigval)."""
     monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
     monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (body_heads,))
     assert pypto_kernel.heads_per_body(2, 8) == body_heads
     kernel_cache.cache_clear()
     try:
         inputs = make_inputs([150, 40], num_qk_heads=2, num_v_heads=8, with_initial_state=True, seed=3)
-        assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
+        if not gated:
+            assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True)
+        else:
+            raw, gating, activated = with_raw_activations(inputs, seed=3)
+            assert_close_to_reference(raw, chunk_size=128, use_qk_l2norm=True, gating=gating,
+                                      reference_inputs=activated)
+            assert [key.gate_in_kernel for key in kernel_cache.cache_info().keys] == [True]
     finally:
         kernel_cache.cache_clear()
 

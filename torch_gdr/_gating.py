@@ -11,12 +11,12 @@ and the beta logits::
                                                       allow_neg_eigval, else 1)
 
 The raw tensors travel through dispatch into the ops (their schemas carry the flags and
-``A_log``/``dt_bias``): the ``"cpu"`` kernels compute both activations inside, where they
-read g and beta, and their gradients inside the backward. This module holds the checks and
-the one pure-torch version every other backend uses: :func:`activate_call` before the
-backend's forward, :func:`gating_backward` (the chain rule, written out) after its
-backward, and the differentiable :func:`gdn_gate` / :func:`beta_sigmoid` for the steps in
-plain torch.
+``A_log``/``dt_bias``): the ``"cpu"`` kernels and the ``"pypto"`` kernels compute both
+activations inside, where they read g and beta, and their gradients inside the backward.
+This module holds the checks and the one pure-torch version every other backend uses:
+:func:`activate_call` before the backend's forward, :func:`gating_backward` (the chain
+rule, written out) after its backward, and the differentiable :func:`gdn_gate` /
+:func:`beta_sigmoid` for the steps in plain torch.
 
 As fla does, both are computed in float32 (float64 when an input is float64, so the float64
 definition stays exact), whatever the inputs' dtype, with torch's softplus (threshold 20,

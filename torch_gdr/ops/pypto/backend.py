@@ -61,5 +61,5 @@ BACKEND = Backend(
     warning=PyptoFallbackWarning,
     description="the PyPTO kernels: on Ascend NPUs, or on CPU tensors through PyPTO's interpreter",
     extra_reasons=_reasons,
-    in_kernel_gating=frozenset({"pool_step"}),  # the decode kernel; the chunked step activates in torch
+    in_kernel_gating=frozenset({"step", "pool_step"}),  # the chunked kernels and the decode kernel
 )

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from torch_gdr._gating import Gating, apply_gating
 from torch_gdr._validate import read_cu_seqlens, check_inputs
 from torch_gdr.ops.torch.utils import L2NORM_EPS, lower_mask, repeat_kv_heads
 
@@ -34,6 +35,7 @@ from .kernel import chunk_offsets
 from .kernel_bwd import build_gdr_bwd_kernel, bwd_chunk_masks
 from .kernel_cache import (BwdCacheInfo, BwdKernelKey, _count_launch, bwd_cache_clear, bwd_cache_info,  # noqa: F401
                            get_gdr_bwd_kernel, launch_count)
+from .kernel_gating import gate_params
 from .spec import CHUNK_SIZES
 
 Tensor = torch.Tensor
@@ -42,8 +44,10 @@ Tensor = torch.Tensor
 #: but ``kind``.
 KernelGetter = Callable[..., Any]
 
-# Positions of the outputs among the kernel's tensor arguments.
+# Positions of the outputs among the plain kernel's tensor arguments (the gated kernel's:
+# one further, gate_params coming after beta, and d_a_log after dbeta).
 _OUTPUT_ARGS = (12, 13, 14, 15, 16, 17)
+_GATED_OUTPUT_ARGS = (13, 14, 15, 16, 17, 18, 19)
 
 
 # --------------------------------------------------------------------------- chunk states
@@ -197,8 +201,17 @@ def launch_backward(
     use_qk_l2norm_in_kernel: bool,
     chunk_size: int,
     kernel_getter: KernelGetter | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """:func:`pypto_chunk_gated_delta_rule_bwd` on arguments its caller has checked (the op's)."""
+    gating: Gating | None = None,
+) -> tuple[Optional[Tensor], ...]:
+    """:func:`pypto_chunk_gated_delta_rule_bwd` on arguments its caller has checked (the op's).
+
+    ``gating``: fla's activation arguments (checked, :mod:`torch_gdr._gating`); g and beta
+    are raw where its flags say, the kernel applies the activations and their chain rule,
+    and the result has two more entries, ``dA_log`` and ``ddt_bias`` ``[HV]`` in the
+    dtypes of ``A_log`` and ``dt_bias`` (None where absent or without ``use_gate_in_kernel``):
+    sums over tokens of the kernel's per-token terms, in torch."""
+    gating = gating if gating is not None else Gating()
+    gate = gating.use_gate_in_kernel
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -212,18 +225,32 @@ def launch_backward(
     def d_initial_from(carry: Tensor) -> Optional[Tensor]:
         return None if initial_state is None else carry.to(initial_state.dtype)
 
+    def head_grads(d_a_log: Optional[Tensor], d_a: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        """``(dA_log, ddt_bias)`` from the per-token terms ``[T, HV]``, where the call has them."""
+        if not gating.gated:
+            return ()
+        if not gate or d_a_log is None or d_a is None:
+            return None, None
+        assert gating.A_log is not None
+        d_dt_bias = None if gating.dt_bias is None else d_a.sum(0).to(gating.dt_bias.dtype)
+        return d_a_log.sum(0).to(gating.A_log.dtype), d_dt_bias
+
     if num_tokens == 0:  # every sequence is empty: the state passes through unchanged
         zeros = tuple(torch.zeros_like(t) for t in (q, k, v, g, beta))
         carry = (torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device)
                  if grad_final_state is None else grad_final_state)
-        return zeros + (d_initial_from(carry),)
+        empty = torch.zeros(0, num_v_heads, device=device)
+        return zeros + (d_initial_from(carry),) + head_grads(empty, empty)
 
     q32, k32 = fp32(q), fp32(k)
     if use_qk_l2norm_in_kernel:
         q32, q_rnorm = _l2norm_with_rnorm(q32)
         k32, k_rnorm = _l2norm_with_rnorm(k32)
-    if chunk_states is None:
-        chunk_states = chunk_states_torch(k32, v, g, beta, cu_seqlens, initial_state, chunk_size)
+    if chunk_states is None:  # (the activations in torch for this recomputation only)
+        g_act, beta_act = apply_gating(g, beta, use_gate_in_kernel=gate, A_log=gating.A_log, dt_bias=gating.dt_bias,
+                                       use_beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
+                                       allow_neg_eigval=gating.allow_neg_eigval)
+        chunk_states = chunk_states_torch(k32, v, g_act, beta_act, cu_seqlens, initial_state, chunk_size)
 
     on_device = device.type == "npu"
     getter = kernel_getter if kernel_getter is not None else get_gdr_bwd_kernel
@@ -236,6 +263,9 @@ def launch_backward(
         chunk_size=chunk_size,
         scale=float(scale),
         on_device=on_device,
+        gate_in_kernel=gate,
+        beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=gating.allow_neg_eigval,
     )
     per_v_head_k = (num_tokens, num_v_heads, head_k_dim)
     outputs = [
@@ -244,10 +274,12 @@ def launch_backward(
         torch.zeros(num_tokens, num_v_heads, head_v_dim, device=device),
         torch.zeros(num_tokens, num_v_heads, device=device),
         torch.zeros(num_tokens, num_v_heads, device=device),
+        *([torch.zeros(num_tokens, num_v_heads, device=device)] if gate else []),  # dA_log's terms
         torch.zeros(num_seqs, num_v_heads, head_k_dim, head_v_dim, device=device),
     ]
     args = [
         q32.view(num_tokens, -1), k32.view(num_tokens, -1), fp32(v).view(num_tokens, -1), fp32(g), fp32(beta),
+        *([gate_params(gating.A_log, gating.dt_bias, num_v_heads, device)] if gate else []),
         fp32(grad_o).view(num_tokens, -1),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         first_chunks.to(device=device, dtype=torch.int32),
@@ -255,11 +287,12 @@ def launch_backward(
         torch.eye(head_k_dim, device=device),
         fp32(chunk_states),
         _augmented(grad_final_state, num_seqs, num_v_heads, head_k_dim, head_v_dim, device),
-        *(t.view(num_tokens, -1) if t.dim() == 3 else t for t in outputs[:5]), outputs[5],
+        *(t.view(num_tokens, -1) if t.dim() == 3 else t for t in outputs[:-1]), outputs[-1],
     ]
-    interpreter.launch(kernel, args, list(_OUTPUT_ARGS))
+    interpreter.launch(kernel, args, list(_GATED_OUTPUT_ARGS if gate else _OUTPUT_ARGS))
     _count_launch()
-    dq_heads, dk_heads, dv, dg, dbeta, d_initial = outputs
+    dq_heads, dk_heads, dv, dg, dbeta = outputs[:5]
+    d_initial, d_a_log = outputs[-1], (outputs[5] if gate else None)
 
     group = num_v_heads // num_qk_heads
     dq = dq_heads.view(num_tokens, num_qk_heads, group, head_k_dim).sum(2)
@@ -268,7 +301,7 @@ def launch_backward(
         dq = (dq - q32 * (q32 * dq).sum(-1, keepdim=True)) * q_rnorm
         dk = (dk - k32 * (k32 * dk).sum(-1, keepdim=True)) * k_rnorm
     grads = tuple(grad.to(x.dtype) for grad, x in ((dq, q), (dk, k), (dv, v), (dg, g), (dbeta, beta)))
-    return grads + (d_initial_from(d_initial),)
+    return grads + (d_initial_from(d_initial),) + head_grads(d_a_log, dg)
 
 
 # --------------------------------------------------------------------------- cost model
@@ -276,7 +309,7 @@ def launch_backward(
 
 def build_bwd_for_cost_model(
     lens: list[int], *, heads: int, v_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int = 128,
-    has_initial_state: bool = True, seed: int = 0, **kernel_options: Any,
+    has_initial_state: bool = True, seed: int = 0, gating: bool = False, **kernel_options: Any,
 ) -> tuple[Any, list[Tensor]]:
     """A backward kernel in stock SIM run mode and its arguments, for pypto's cost model.
 
@@ -285,7 +318,8 @@ def build_bwd_for_cost_model(
     ``CostModelSimulationOutput/_simulate.stat.report.txt``. The workload mirrors the
     forward's cost-model run: random inputs for packed sequences of ``lens`` with a
     gradient on the final state when ``has_initial_state`` (a training step that carries
-    a state). The cycle count does not depend on the values.
+    a state). The cycle count does not depend on the values. ``gating``: the kernel with
+    all of fla's activations (raw gate with A_log and dt_bias, beta logits, allow_neg_eigval).
 
     ``kernel_options`` go to :func:`.kernel_bwd.build_gdr_bwd_kernel` (``vec_rows``,
     ``stitch_function_max_num``).
@@ -301,11 +335,15 @@ def build_bwd_for_cost_model(
 
     kernel = build_gdr_bwd_kernel(
         num_seqs=num_seqs, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-        chunk_size=chunk_size, scale=head_k_dim ** -0.5, **kernel_options)
+        chunk_size=chunk_size, scale=head_k_dim ** -0.5, gate_in_kernel=gating, beta_sigmoid_in_kernel=gating,
+        allow_neg_eigval=gating, **kernel_options)
+    gates = [torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads))]
+    if gating:  # raw gate and beta logits, then gate_params [2, HV]
+        gates = [randn(num_tokens, v_heads), randn(num_tokens, v_heads),
+                 gate_params(torch.rand(v_heads, generator=gen).log(), randn(v_heads), v_heads, torch.device("cpu"))]
     args = [
         randn(num_tokens, heads * head_k_dim), randn(num_tokens, heads * head_k_dim),
-        randn(num_tokens, v_heads * head_v_dim),
-        torch.nn.functional.logsigmoid(randn(num_tokens, v_heads)), torch.sigmoid(randn(num_tokens, v_heads)),
+        randn(num_tokens, v_heads * head_v_dim), *gates,
         randn(num_tokens, v_heads * head_v_dim),
         cu_seqlens, offsets.to(torch.int32), bwd_chunk_masks(chunk_size), torch.eye(head_k_dim),
         0.1 * randn(int(offsets[-1]), v_heads, head_k_dim, head_v_dim),
@@ -313,6 +351,7 @@ def build_bwd_for_cost_model(
                    torch.device("cpu")),
         torch.zeros(num_tokens, v_heads * head_k_dim), torch.zeros(num_tokens, v_heads * head_k_dim),
         torch.zeros(num_tokens, v_heads * head_v_dim), torch.zeros(num_tokens, v_heads),
-        torch.zeros(num_tokens, v_heads), torch.zeros(state_shape),
+        torch.zeros(num_tokens, v_heads), *([torch.zeros(num_tokens, v_heads)] if gating else []),
+        torch.zeros(state_shape),
     ]
     return kernel, args

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torch_gdr._gating import Gating
 from torch_gdr._validate import check_inputs, read_cu_seqlens
 
 from . import interpreter
@@ -19,12 +20,14 @@ from . import kernel as _kernel
 from .kernel import augmented_state, chunk_masks, chunk_offsets, eye_pad, kernel_chunk_size, ticket_scratch, \
     time_windows
 from .kernel_cache import get_gdr_kernel
+from .kernel_gating import gate_params
 
 #: ``kernel_getter(**config) -> kernel``; config holds the keyword arguments of
 #: :func:`.kernel.build_gdr_kernel`.
 KernelGetter = Callable[..., Any]
 
-# Positions of the outputs among the kernel's tensor arguments.
+# Positions of the outputs among the plain kernel's tensor arguments (one further with
+# gate_in_kernel: gate_params comes after beta).
 _O_ARG, _STATE_OUT_ARG, _CHUNK_STATES_ARG = 11, 12, 13
 
 _KERNEL_INPUT_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -93,8 +96,13 @@ def launch_forward(
     use_qk_l2norm_in_kernel: bool,
     output_chunk_states: bool = False,
     kernel_getter: KernelGetter | None = None,
+    gating: Gating | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`pypto_chunk_gated_delta_rule_fwd` on arguments its caller has checked (the op's)."""
+    """:func:`pypto_chunk_gated_delta_rule_fwd` on arguments its caller has checked (the op's).
+
+    ``gating``: fla's activation arguments (checked, :mod:`torch_gdr._gating`): g and beta
+    are then raw where its flags say, and the kernel applies the activations."""
+    gating = gating if gating is not None else Gating()
     device = q.device
     num_tokens, num_qk_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -133,6 +141,9 @@ def launch_forward(
         on_device=on_device,
         input_dtype=_KERNEL_INPUT_DTYPES[q.dtype],
         output_chunk_states=bool(output_chunk_states),
+        gate_in_kernel=gating.use_gate_in_kernel,
+        beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=gating.allow_neg_eigval,
     )
 
     def fp32(t: torch.Tensor) -> torch.Tensor:
@@ -141,13 +152,15 @@ def launch_forward(
     inputs = [
         q.reshape(num_tokens, -1).contiguous(), k.reshape(num_tokens, -1).contiguous(),
         v.reshape(num_tokens, -1).contiguous(), fp32(g), fp32(beta),
+        *([gate_params(gating.A_log, gating.dt_bias, num_v_heads, device)] if gating.use_gate_in_kernel else []),
         cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
         offsets.to(dtype=torch.int32).contiguous(),
     ]
     constants = [chunk_masks(kernel_chunk).to(device), eye_pad(head_k_dim, head_v_dim).to(device)]
     chunk_states_arg = (chunk_states.view(-1, head_v_dim) if output_chunk_states
                         else torch.zeros(1, 1, device=device))
-    outputs = [_O_ARG, _STATE_OUT_ARG] + ([_CHUNK_STATES_ARG] if output_chunk_states else [])
+    shift = int(gating.use_gate_in_kernel)
+    outputs = [_O_ARG + shift, _STATE_OUT_ARG + shift] + ([_CHUNK_STATES_ARG + shift] if output_chunk_states else [])
     # The state carried from window to window; an empty sequence keeps its initial state.
     if initial_state is not None:
         state_out.copy_(initial_state)

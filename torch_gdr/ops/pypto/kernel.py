@@ -13,7 +13,11 @@ q, k             ``[T, H * K]`` in_dtype    queries, keys (H query/key heads; th
                                             fp32 in the kernel
 v                ``[T, HV * V]`` in_dtype   values (HV value heads, ``HV % H == 0``)
 g                ``[T, HV]`` fp32           raw per-token log decay (cumsum in the kernel)
-beta             ``[T, HV]`` fp32           delta-rule write strength
+beta             ``[T, HV]`` fp32           delta-rule write strength (logits with
+                                            ``beta_sigmoid_in_kernel``)
+gate_params      ``[2, HV]`` fp32           only with ``gate_in_kernel`` (g then holds
+                                            fla's raw gate): A_log in row 0, dt_bias in
+                                            row 1; see :mod:`.kernel_gating`
 act_seq_len      ``[N + 1]`` int32          cumulative sequence offsets, last one == T
 chunk_offsets    ``[N + 1]`` int32          exclusive cumsum of ``ceil(len_n / l)``: row of
                                             sequence n's first chunk in ``chunk_states``
@@ -131,6 +135,7 @@ import torch
 
 from torch_gdr._layout import L2NORM_EPS  # the in-kernel l2 norm's epsilon
 
+from . import kernel_gating
 from ._env import import_pypto
 
 from .spec import CHUNK_SIZES as SUPPORTED_CHUNK_SIZES  # the device path picks one with kernel_chunk_size
@@ -549,6 +554,9 @@ def build_gdr_kernel(
     input_dtype: str = "float32",
     output_chunk_states: bool = False,
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
+    gate_in_kernel: bool = False,
+    beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR forward kernel for one configuration.
 
@@ -566,14 +574,22 @@ def build_gdr_kernel(
         input_dtype: dtype of q, k, v: "float32", "float16" or "bfloat16".
         output_chunk_states: write the state entering every chunk to ``chunk_states``.
         stitch_function_max_num: pypto runtime option, see ``DEFAULT_STITCH_FUNCTION_MAX_NUM``.
+        gate_in_kernel: g is fla's raw gate; the kernel takes ``gate_params [2, HV]`` fp32
+            (A_log in row 0, dt_bias in row 1: :func:`.kernel_gating.gate_params`) after
+            beta and computes the log decay ``-exp(A_log) * softplus(g + dt_bias)``.
+        beta_sigmoid_in_kernel: beta holds logits; the kernel takes ``s * sigmoid(beta)``.
+        allow_neg_eigval: ``s = 2``; only with ``beta_sigmoid_in_kernel``.
 
     Returns:
-        A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
+        A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring
+        (with ``gate_in_kernel``, ``gate_params`` after beta).
     """
     validate_kernel_config(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
         head_v_dim=head_v_dim, chunk_size=chunk_size, input_dtype=input_dtype,
     )
+    if allow_neg_eigval and not beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: requires beta_sigmoid_in_kernel=True, got beta_sigmoid_in_kernel=False")
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     in_dt = _pypto_dtype(input_dtype)
@@ -613,19 +629,33 @@ def build_gdr_kernel(
         return x if weight is None else x * weight
 
     def load_gates(g_in: Any, beta_in: Any, head: Any, start: Any, rows: Any, tail: bool,
-                   g_tile_rows: int) -> tuple[Any, Any]:
+                   g_tile_rows: int, gate_params_in: Any = None) -> tuple[Any, Any]:
         """The chunk's log decays g and write strengths beta of value head ``head``, each fp32
-        ``[l, 1]``, zero past ``rows`` for a tail (where in-kernel gating would compute them).
-        beta's fill runs in the reads' tiles (it weights v), g's in ``g_tile_rows`` rows: the
-        chunk's (one head a body: a task fewer) or the reads' (several: the other makes
-        pypto 0.2.0's cost model fail at 16 x 256, HV = 4)."""
+        ``[l, 1]``, zero past ``rows`` for a tail. beta's work runs in the reads' tiles (it
+        weights v), g's in ``g_tile_rows`` rows: the chunk's (one head a body: a task fewer)
+        or the reads' (several: the other makes pypto 0.2.0's cost model fail at 16 x 256,
+        HV = 4).
+
+        With ``gate_in_kernel`` g_in holds the raw gate and ``gate_params_in`` ``[2, HV]``
+        A_log and dt_bias; with ``beta_sigmoid_in_kernel`` beta_in holds logits: the
+        activations are computed here (:mod:`.kernel_gating`), a tail's raw rows filled with
+        -inf first, whose activations are 0."""
         beta_c = pypto.view(beta_in, [l, 1], [start, head], valid_shape=[rows, 1])
         g_c = pypto.view(g_in, [l, 1], [start, head], valid_shape=[rows, 1])
-        if tail:
+        if tail or beta_sigmoid_in_kernel:
             pypto.set_vec_tile_shapes(io_rows, 128)
-            beta_c = pypto.fillpad(beta_c, "constant", 0.0)
+        if tail:
+            beta_c = pypto.fillpad(beta_c, "constant", kernel_gating.RAW_FILL if beta_sigmoid_in_kernel else 0.0)
+        if beta_sigmoid_in_kernel:
+            beta_c = kernel_gating.activated_beta(beta_c, allow_neg_eigval)
+        if tail or gate_in_kernel:
             pypto.set_vec_tile_shapes(g_tile_rows, 128)
-            g_c = pypto.fillpad(g_c, "constant", 0.0)
+        if tail:
+            g_c = pypto.fillpad(g_c, "constant", kernel_gating.RAW_FILL if gate_in_kernel else 0.0)
+        if gate_in_kernel:
+            rate = kernel_gating.gate_rate(pypto.view(gate_params_in, [1, 1], [0, head]))
+            bias = pypto.view(gate_params_in, [1, 1], [1, head])
+            g_c = kernel_gating.log_decay(g_c, pypto.expand_clone(rate, [l, 1]), pypto.expand_clone(bias, [l, 1]))
         return g_c, beta_c
 
     def chunk_step(inputs: list, outputs: list, state: Any, seq: Any, head: Any, chunk: Any, start: Any,
@@ -638,9 +668,9 @@ def build_gdr_kernel(
         chunk's key read (the ticket); the first starts at once. The vector work before the
         first product is one task (merge scope ``scope``; ``scope + 1``... for the later
         stages: distinct per value head of a body). ``inputs``: q, k, v, g,
-        beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile; ``outputs``: o,
-        state_out, chunk_states."""
-        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in = inputs
+        beta, chunk_offsets, masks, ``[I | 0]``, the pair's ticket tile, then ``gate_params``
+        with ``gate_in_kernel``; ``outputs``: o, state_out, chunk_states."""
+        q_in, k_in, v_in, g_in, beta_in, chunk_offsets_in, masks_in, eye_pad_in, ticket_in, *gate_params_in = inputs
         o_out, state_out_out, chunk_states_out = outputs
         pair = seq * num_v_heads + head
         qk_head = head // group
@@ -652,7 +682,8 @@ def build_gdr_kernel(
         # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
         q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
         k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
-        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail, io_rows if body_heads > 1 else vec_rows)
+        g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail, io_rows if body_heads > 1 else vec_rows,
+                                 *gate_params_in)
         v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
         pypto.set_vec_tile_shapes(io_rows, 128)
         zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
@@ -684,7 +715,7 @@ def build_gdr_kernel(
             pypto.set_vec_tile_shapes(vec_rows, 128)
             pypto.assemble(new_state, [pair * dk, 0], state_out_out)
 
-    @pypto.frontend.jit(
+    jit = pypto.frontend.jit(
         runtime_options={"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num},
         # Two vector subgraphs of the same structure per task: half the small vector tasks
         # (the scheduler's cost per task, not their work, bounds long sequences).
@@ -696,6 +727,8 @@ def build_gdr_kernel(
         pass_options={"vec_nbuffer_setting": {-1: 2}, "cube_nbuffer_setting": {-1: max(HEADS_PER_BODY_CHOICES)},
                       "cube_l1_reuse_setting": {-1: 4}, "pg_upper_bound": 100000},
     )
+
+    @jit
     def gdr_fwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
         k: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
@@ -751,4 +784,58 @@ def build_gdr_kernel(
                         else:
                             chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False, scope)
 
-    return gdr_fwd_kernel
+    # The gated variant: the same loops with the raw gate's parameters (a second jit
+    # function: pypto parses the signature and the loops from the function's own source,
+    # and the plain kernel keeps its arguments). Only the gate reads differ (load_gates).
+    @jit
+    def gdr_fwd_gated_kernel(
+        q: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        k: pypto.Tensor([tokens, num_qk_heads * dk], in_dt),
+        v: pypto.Tensor([tokens, num_v_heads * dv], in_dt),
+        g: pypto.Tensor([tokens, num_v_heads], fp32),
+        beta: pypto.Tensor([tokens, num_v_heads], fp32),
+        gate_params: pypto.Tensor([2, num_v_heads], fp32),
+        act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        window: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        masks: pypto.Tensor([n_masks * l, l], fp32),
+        eye_pad_in: pypto.Tensor([dk, dk + dv], fp32),
+        state_in: pypto.Tensor(state_in_shape, fp32),
+        o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
+        chunk_states: pypto.Tensor(chunk_states_shape, fp32),
+        ticket: pypto.Tensor([num_pairs * l, 128], fp32),
+    ):
+        pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
+
+        for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+            seq = (body * body_heads) // num_v_heads
+            seq_start = act_seq_len[seq]
+            seq_len = act_seq_len[seq + 1] - seq_start
+            pypto.set_vec_tile_shapes(vec_rows, 128)
+            heads, states, tickets = [], [], []
+            for j in range(body_heads):
+                pair = body * body_heads + j
+                heads.append(pair % num_v_heads)
+                states.append(pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0]))
+                tickets.append(pypto.view(ticket, [l, 128], [pair * l, 0]))
+            outputs = [o, state_out, chunk_states]
+            for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
+                chunk = window[0] + step
+                start = seq_start + chunk * l
+                rows = pypto.min(l, seq_len - chunk * l)
+                for j, head, state, ticket_row in zip(range(body_heads), heads, states, tickets):
+                    scope = SCOPE_STRIDE * (j + 1)
+                    inputs = [q, k, v, g, beta, chunk_offsets, masks, eye_pad_in, ticket_row, gate_params]
+                    if pypto.is_loop_begin(step):
+                        if pypto.is_loop_end(step):
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, True, scope)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, True, scope)
+                    else:
+                        if pypto.is_loop_end(step):
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, True, False, scope)
+                        else:
+                            chunk_step(inputs, outputs, state, seq, head, chunk, start, rows, False, False, scope)
+
+    return gdr_fwd_gated_kernel if gate_in_kernel else gdr_fwd_kernel

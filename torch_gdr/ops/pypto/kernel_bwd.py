@@ -11,8 +11,12 @@ q, k              ``[T, H * K]`` fp32      queries, keys as the recurrence reads
                                            (already l2-normalised when the call asks for it;
                                            the host applies the l2norm backward)
 v                 ``[T, HV * V]`` fp32     values
-g                 ``[T, HV]`` fp32         raw per-token log decay
-beta              ``[T, HV]`` fp32         delta-rule write strength
+g                 ``[T, HV]`` fp32         raw per-token log decay (fla's raw gate with
+                                           ``gate_in_kernel``)
+beta              ``[T, HV]`` fp32         delta-rule write strength (logits with
+                                           ``beta_sigmoid_in_kernel``)
+gate_params       ``[2, HV]`` fp32         only with ``gate_in_kernel``: A_log in row 0,
+                                           dt_bias in row 1 (:mod:`.kernel_gating`)
 grad_o            ``[T, HV * V]`` fp32     gradient on the output
 act_seq_len       ``[N + 1]`` int32        cumulative sequence offsets, last one == T
 chunk_offsets     ``[N + 1]`` int32        exclusive cumsum of ``ceil(len_n / l)``
@@ -28,7 +32,12 @@ grad_state_in     ``[N, HV, K + V, V]``    ``[dS_final; I]``: the gradient on th
 dq, dk            ``[T, HV * K]`` fp32     gradients w.r.t. q, k per VALUE head (the host
                                            sums each group of HV / H value heads)
 dv                ``[T, HV * V]`` fp32
-dg, dbeta         ``[T, HV]`` fp32
+dg, dbeta         ``[T, HV]`` fp32         of g and beta as the kernel reads them (the
+                                           raw gate's and the logits' where activated)
+d_a_log           ``[T, HV]`` fp32         only with ``gate_in_kernel``: ``dL/dg * g``
+                                           per token (g the log decay); the host sums
+                                           it over tokens into dA_log, and dL/da into
+                                           ddt_bias
 grad_state_out    ``[N, HV, K, V]`` fp32   gradient w.r.t. the initial state
 ================  =======================  ================================================
 
@@ -68,6 +77,13 @@ chunks' work; the vector ops that read ``dS'`` share no producer with the chunk'
 parallel part (pypto fuses a producer into its consumer's task, which would put the
 parallel part behind the chain).
 
+fla's activations (``gate_in_kernel``, ``beta_sigmoid_in_kernel``, ``allow_neg_eigval``)
+are applied to each chunk's raw tiles before the above, and their derivatives multiply dg
+and dbeta after it (elementwise, :mod:`.kernel_gating`): ``da = dg * (-exp(A_log)) *
+sigmoid(a + dt_bias)``, ``db = dbeta * s * sigmoid(b) (1 - sigmoid(b))``. The per-head sums
+over tokens (dA_log, ddt_bias) cross chunks and sequences, which the kernel's loops carry
+nothing across, so the host reduces the kernel's per-token terms.
+
 The tail chunk of a sequence (its first iteration here) is read with ``valid_shape`` and
 zero-filled with ``fillpad``: zero q, k, v, beta, g and dO rows contribute nothing, and
 only the valid rows are written back. Two nested loops only (three nested sequential
@@ -78,10 +94,11 @@ gradient itself.
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from . import kernel_gating
 from ._env import import_pypto
 from .kernel import (BASE_BLOCK, DEFAULT_STITCH_FUNCTION_MAX_NUM, MASK_BASE_BLOCKS, MASK_IDENTITY, MASK_LOWER,
                      MASK_STRICT_LOWER, chunk_decays)
@@ -233,15 +250,45 @@ def _chunk_backward(
     return dq, dk, dv, dg, dbeta, d_state_in
 
 
+class Activations(NamedTuple):
+    """fla's activations a backward kernel applies (:mod:`.kernel_gating`): with
+    ``gate_params`` (the kernel's ``[2, HV]`` input) g is the raw gate, and ``d_a_log_out``
+    (``[T, HV]``) receives ``dL/dg * g`` per token, whose sum over tokens is dA_log; with
+    ``beta_sigmoid`` beta holds logits (times 2 with ``allow_neg_eigval``)."""
+
+    gate_params: Any = None
+    d_a_log_out: Any = None
+    beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+
+
+def _activated_gates(g_raw: Any, beta_raw: Any, head: Any, act: Activations, l: int) -> tuple:  # noqa: E741
+    """``(g, beta, g_slope, beta_slope)``: the activated g and beta ``[l, 1]`` from the raw
+    tiles, and the derivatives ``dg/da`` and ``dbeta/db`` (None where not activated)."""
+    pypto = import_pypto()
+    g, beta, g_slope, b_slope = g_raw, beta_raw, None, None
+    if act.gate_params is not None:
+        rate = pypto.expand_clone(kernel_gating.gate_rate(pypto.view(act.gate_params, [1, 1], [0, head])), [l, 1])
+        x = g_raw + pypto.expand_clone(pypto.view(act.gate_params, [1, 1], [1, head]), [l, 1])
+        g = rate * kernel_gating.softplus(x)
+        g_slope = rate * kernel_gating.softplus_slope(x)
+    if act.beta_sigmoid:
+        # one sigmoid for both (kernel_gating.beta_and_slope)
+        beta, b_slope = kernel_gating.beta_and_slope(beta_raw, act.allow_neg_eigval)
+    return g, beta, g_slope, b_slope
+
+
 def _head_chunk(
     q: Any, k: Any, v: Any, g: Any, beta: Any, grad_o: Any, chunk_states: Any, d_state: Any, masks: Any, eye: Any,
     dq_out: Any, dk_out: Any, dv_out: Any, dg_out: Any, dbeta_out: Any, head: int, qk_head: int, start: Any,
     rows: Any, state_row: Any, tail: bool, scale: float, l: int, dk: int, dv: int, num_v_heads: int,  # noqa: E741
-    rows_v: int,
+    rows_v: int, act: Activations = Activations(),
 ) -> None:
-    """One chunk of one value head: read its tiles (zero-filled past ``rows`` when ``tail``),
-    run :func:`_chunk_backward`, update the carried ``d_state [K + V, V]`` and write the
-    chunk's gradients (only the valid rows when ``tail``)."""
+    """One chunk of one value head: read its tiles (zero-filled past ``rows`` when ``tail``;
+    raw gate and beta logits filled with -inf, whose activations are 0), apply ``act``'s
+    activations, run :func:`_chunk_backward`, update the carried ``d_state [K + V, V]`` and
+    write the chunk's gradients (only the valid rows when ``tail``): those of the raw gate
+    and logits by the chain rule, and ``dL/dg * g`` to ``act.d_a_log_out``."""
     pypto = import_pypto()
     pypto.set_vec_tile_shapes(1, 1, rows_v, 128)
     state = pypto.reshape(pypto.view(chunk_states, [1, 1, dk, dv], [state_row, head, 0, 0]), [dk, dv])
@@ -254,22 +301,34 @@ def _head_chunk(
     g_c = pypto.view(g, [l, 1], [start, head], valid_shape=[rows, 1])
     beta_c = pypto.view(beta, [l, 1], [start, head], valid_shape=[rows, 1])
     if tail:
-        q_c, k_c, v_c, do_c, g_c, beta_c = (
-            pypto.fillpad(t, "constant", 0.0) for t in (q_c, k_c, v_c, do_c, g_c, beta_c))
+        q_c, k_c, v_c, do_c = (pypto.fillpad(t, "constant", 0.0) for t in (q_c, k_c, v_c, do_c))
+        g_c = pypto.fillpad(g_c, "constant", kernel_gating.RAW_FILL if act.gate_params is not None else 0.0)
+        beta_c = pypto.fillpad(beta_c, "constant", kernel_gating.RAW_FILL if act.beta_sigmoid else 0.0)
+    g_c, beta_c, g_slope, b_slope = _activated_gates(g_c, beta_c, head, act, l)
     dq_c, dk_c, dv_c, dg_c, dbeta_c, d_state_in = _chunk_backward(
         q_c, k_c, v_c, g_c, beta_c, do_c, state, d_state, masks, eye, scale=scale, chunk_size=l, head_k_dim=dk)
     d_state[0:dk, 0:dv] = d_state_in
+    d_a_log_c = None
+    if g_slope is not None:  # the chain rule to the raw gate; dA_log's per-token terms
+        d_a_log_c = dg_c * g_c
+        dg_c = dg_c * g_slope
+    if b_slope is not None:
+        dbeta_c = dbeta_c * b_slope
     if tail:
         dq_c = pypto.view(dq_c, [l, dk], [0, 0], valid_shape=[rows, dk])
         dk_c = pypto.view(dk_c, [l, dk], [0, 0], valid_shape=[rows, dk])
         dv_c = pypto.view(dv_c, [l, dv], [0, 0], valid_shape=[rows, dv])
         dg_c = pypto.view(dg_c, [l, 1], [0, 0], valid_shape=[rows, 1])
         dbeta_c = pypto.view(dbeta_c, [l, 1], [0, 0], valid_shape=[rows, 1])
+        if d_a_log_c is not None:
+            d_a_log_c = pypto.view(d_a_log_c, [l, 1], [0, 0], valid_shape=[rows, 1])
     pypto.assemble(dq_c, [start, head * dk], dq_out)
     pypto.assemble(dk_c, [start, head * dk], dk_out)
     pypto.assemble(dv_c, [start, head * dv], dv_out)
     pypto.assemble(dg_c, [start, head], dg_out)
     pypto.assemble(dbeta_c, [start, head], dbeta_out)
+    if d_a_log_c is not None:
+        pypto.assemble(d_a_log_c, [start, head], act.d_a_log_out)
 
 
 def _set_pass_options(options: dict | None) -> None:
@@ -292,6 +351,9 @@ def build_gdr_bwd_kernel(
     stitch_function_max_num: int = DEFAULT_STITCH_FUNCTION_MAX_NUM,
     pass_options: dict | None = None,
     runtime_options: dict | None = None,
+    gate_in_kernel: bool = False,
+    beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Any:
     """Build (trace lazily, on first call) the GDR backward kernel for one configuration.
 
@@ -304,10 +366,15 @@ def build_gdr_bwd_kernel(
         vec_rows: rows of the vector tiles (at most l).
         stitch_function_max_num: pypto runtime option (see the forward kernel).
         pass_options, runtime_options: further pypto options of the jit (tuning).
+        gate_in_kernel: g is fla's raw gate; the kernel takes ``gate_params [2, HV]`` after
+            beta and writes ``d_a_log [T, HV]`` after dbeta (module docstring).
+        beta_sigmoid_in_kernel: beta holds logits. allow_neg_eigval: beta = 2 sigmoid(logits).
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
     """
+    if allow_neg_eigval and not beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: requires beta_sigmoid_in_kernel=True, got beta_sigmoid_in_kernel=False")
     validate_bwd_kernel_config(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
         head_v_dim=head_v_dim, chunk_size=chunk_size,
@@ -327,7 +394,14 @@ def build_gdr_bwd_kernel(
     runtime = {"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num, **(runtime_options or {})}
     jit_options: dict = {"runtime_options": runtime}
 
-    @pypto.frontend.jit(**jit_options)
+    jit = pypto.frontend.jit(**jit_options)
+
+    def head_chunk(*args: Any, gate_params: Any = None, d_a_log_out: Any = None) -> None:
+        """:func:`_head_chunk` with this kernel's activations (the raw gate's tensors in the
+        gated variant). (A NamedTuple in the jit body becomes a plain tuple: built here.)"""
+        _head_chunk(*args, Activations(gate_params, d_a_log_out, beta_sigmoid_in_kernel, allow_neg_eigval))
+
+    @jit
     def gdr_bwd_kernel(
         q: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
         k: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
@@ -374,13 +448,13 @@ def build_gdr_bwd_kernel(
                 eye_k = pypto.view(eye, [dk, dk], [0, 0])
                 if pypto.is_loop_begin(step):  # the sequence's last chunk: possibly a partial tail
                     for head in range(num_v_heads):  # unrolled at trace time
-                        _head_chunk(
+                        head_chunk(
                             q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
                             dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
                             first_chunk_row + chunk, True, scale, l, dk, dv, num_v_heads, rows_v)
                 else:
                     for head in range(num_v_heads):
-                        _head_chunk(
+                        head_chunk(
                             q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
                             dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
                             first_chunk_row + chunk, False, scale, l, dk, dv, num_v_heads, rows_v)
@@ -389,4 +463,72 @@ def build_gdr_bwd_kernel(
                 d_state_final = pypto.view(d_states[head], [dk, dv], [0, 0])
                 pypto.assemble(pypto.reshape(d_state_final, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
 
-    return gdr_bwd_kernel
+    # The gated variant (fla's raw gate): the plain loops with the gate's parameters in and
+    # dA_log's per-token terms out (pypto parses a jit function's signature and loops from
+    # its own source, so a second function; the plain kernel keeps its arguments).
+    @jit
+    def gdr_bwd_gated_kernel(
+        q: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
+        k: pypto.Tensor([tokens, num_qk_heads * dk], fp32),
+        v: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        g: pypto.Tensor([tokens, num_v_heads], fp32),
+        beta: pypto.Tensor([tokens, num_v_heads], fp32),
+        gate_params: pypto.Tensor([2, num_v_heads], fp32),
+        grad_o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        act_seq_len: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        chunk_offsets: pypto.Tensor([num_seqs + 1], pypto.DT_INT32),
+        masks: pypto.Tensor([n_masks * l, l], fp32),
+        eye: pypto.Tensor([dk, dk], fp32),
+        chunk_states: pypto.Tensor([chunks_total, num_v_heads, dk, dv], fp32),
+        grad_state_in: pypto.Tensor(d_state_shape, fp32),
+        dq_out: pypto.Tensor([tokens, num_v_heads * dk], fp32),
+        dk_out: pypto.Tensor([tokens, num_v_heads * dk], fp32),
+        dv_out: pypto.Tensor([tokens, num_v_heads * dv], fp32),
+        dg_out: pypto.Tensor([tokens, num_v_heads], fp32),
+        dbeta_out: pypto.Tensor([tokens, num_v_heads], fp32),
+        d_a_log_out: pypto.Tensor([tokens, num_v_heads], fp32),
+        grad_state_out: pypto.Tensor([num_seqs, num_v_heads, dk, dv], fp32),
+    ):
+        pypto.set_cube_tile_shapes([CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE], [CUBE_TILE, CUBE_TILE])
+        _set_pass_options(pass_options)
+
+        for seq in pypto.loop(num_seqs, name="LOOP_SEQ", idx_name="seq", parallel=True):
+            seq_start = act_seq_len[seq]
+            seq_len = act_seq_len[seq + 1] - seq_start
+            first_chunk_row = chunk_offsets[seq]
+            n_chunks = (seq_len + l - 1) // l
+            pypto.set_vec_tile_shapes(rows_v, 128)
+            d_states = []
+            for head in range(num_v_heads):
+                d_states.append(pypto.reshape(
+                    pypto.view(grad_state_in, [1, 1, dk + dv, dv], [seq, head, 0, 0]), [dk + dv, dv]) + 0.0)
+
+            for step in pypto.loop(n_chunks, name="LOOP_CHUNK_REVERSED", idx_name="step"):
+                chunk = n_chunks - 1 - step
+                start = seq_start + chunk * l
+                rows = pypto.min(l, seq_len - chunk * l)
+                pypto.set_vec_tile_shapes(rows_v, 128)
+                mask_tiles = []
+                for i in range(n_masks):
+                    mask_tiles.append(pypto.view(masks, [l, l], [i * l, 0]))
+                eye_k = pypto.view(eye, [dk, dk], [0, 0])
+                if pypto.is_loop_begin(step):
+                    for head in range(num_v_heads):
+                        head_chunk(
+                            q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
+                            dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
+                            first_chunk_row + chunk, True, scale, l, dk, dv, num_v_heads, rows_v,
+                            gate_params=gate_params, d_a_log_out=d_a_log_out)
+                else:
+                    for head in range(num_v_heads):
+                        head_chunk(
+                            q, k, v, g, beta, grad_o, chunk_states, d_states[head], mask_tiles, eye_k,
+                            dq_out, dk_out, dv_out, dg_out, dbeta_out, head, head // group, start, rows,
+                            first_chunk_row + chunk, False, scale, l, dk, dv, num_v_heads, rows_v,
+                            gate_params=gate_params, d_a_log_out=d_a_log_out)
+            pypto.set_vec_tile_shapes(rows_v, 128)
+            for head in range(num_v_heads):
+                d_state_final = pypto.view(d_states[head], [dk, dv], [0, 0])
+                pypto.assemble(pypto.reshape(d_state_final, [1, 1, dk, dv]), [seq, head, 0, 0], grad_state_out)
+
+    return gdr_bwd_gated_kernel if gate_in_kernel else gdr_bwd_kernel

@@ -4,8 +4,9 @@ configuration, each thread-safe.
 Everything :func:`torch_gdr.ops.pypto.kernel.build_gdr_kernel` specialises on is part of
 the forward key (:class:`KernelKey`; the backward's, :class:`BwdKernelKey`, likewise for
 :func:`~torch_gdr.ops.pypto.kernel_bwd.build_gdr_bwd_kernel`): sequences N (b), heads H and HV (nv), head dims K and V, chunk length l, the
-l2-norm flag, the scale, whether an initial state is read, and the run target (NPU device
-or the CPU interpreter). A key is built once and reused after.
+l2-norm flag, the scale, whether an initial state is read, the run target (NPU device
+or the CPU interpreter), and which of fla's activations the kernel applies (the gated
+variants take the raw gate and beta logits). A key is built once and reused after.
 
 What "built" buys: on an NPU, pypto compiles the kernel at its first launch and keeps the
 compiled module on the kernel object, so later calls only launch. On the CPU, pypto 0.2.0's
@@ -37,6 +38,9 @@ class KernelKey:
     on_device: bool
     input_dtype: str = "float32"
     output_chunk_states: bool = False
+    gate_in_kernel: bool = False
+    beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
 
 
 class CacheInfo(NamedTuple):
@@ -139,6 +143,9 @@ class BwdKernelKey:
     chunk_size: int
     scale: float
     on_device: bool
+    gate_in_kernel: bool = False
+    beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
     kind: str = field(default="bwd")
 
 

@@ -76,9 +76,9 @@ is specialised on it and not on the batch size; the pool's row count stays dynam
 
 from typing import Any, Optional
 
-from torch_gdr._gating import SOFTPLUS_THRESHOLD
 from torch_gdr._layout import L2NORM_EPS  # the in-kernel l2 norm's epsilon
 
+from . import kernel_gating
 from ._env import import_pypto
 from .spec import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from .spec import MAX_STEP_TOKENS as MAX_TOKENS_PER_SEQ
@@ -227,23 +227,12 @@ def build_decode_kernel(
     def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
         """The body's ``(-exp(A_log), dt_bias)`` over its value heads, each fp32 ``[1, heads]``."""
         pypto.set_vec_tile_shapes(1, 128)
-        rate = pypto.exp(pypto.view(gate_params, [1, heads_per_body], [0, first_head])) * -1.0
+        rate = kernel_gating.gate_rate(pypto.view(gate_params, [1, heads_per_body], [0, first_head]))
         return rate, pypto.view(gate_params, [1, heads_per_body], [1, first_head])
 
-    def log_decay(g_row: Any, terms: tuple[Any, Any]) -> Any:
-        """The log decay ``[1, heads]`` from the raw gate ``g_row``:
-        ``-exp(A_log) * softplus(g_row + dt_bias)`` (``terms``: :func:`gate_terms`)."""
-        rate, bias = terms
-        x = g_row + bias
-        softplus = pypto.where(x > SOFTPLUS_THRESHOLD, x, pypto.log1p(pypto.exp(x)))
-        return rate * softplus
-
-    def activated_beta(beta_g: Any) -> Any:
+    def body_beta(beta_g: Any) -> Any:
         """Beta ``[1, heads]`` as the kernel uses it: as given, or ``s * sigmoid(logits)``."""
-        if not beta_sigmoid_in_kernel:
-            return beta_g
-        beta_g = pypto.sigmoid(beta_g)
-        return beta_g * 2.0 if allow_neg_eigval else beta_g
+        return kernel_gating.activated_beta(beta_g, allow_neg_eigval) if beta_sigmoid_in_kernel else beta_g
 
     def start_states(pool: Any, read_rows: Any, seq: Any, first_head: Any) -> list:
         """The states sequence ``seq`` starts from on the body's value heads, each fp32 ``[K, V]``."""
@@ -261,10 +250,10 @@ def build_decode_kernel(
         q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
         k_t = normalised(token_row(k, dk, qk_head * dk, token))
         v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
-        beta_g = activated_beta(pypto.view(beta, [1, heads_per_body], [token, first_head]))
+        beta_g = body_beta(pypto.view(beta, [1, heads_per_body], [token, first_head]))
         qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
         if gates is not None:  # the activation on the row of the body's heads: one copy of g
-            g_g = log_decay(pypto.view(g, [1, heads_per_body], [token, first_head]), gates)
+            g_g = kernel_gating.log_decay(pypto.view(g, [1, heads_per_body], [token, first_head]), *gates)
         new_states = []
         for h in range(heads_per_body):
             pypto.set_vec_tile_shapes(1, 128)

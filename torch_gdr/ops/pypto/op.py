@@ -10,11 +10,13 @@ with one warning per reason. Both ops trust their arguments: dispatch has checke
 that the backend serves the call (:mod:`.backend`).
 
 fla's gate and beta activations (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``,
-``allow_neg_eigval``) are not in the PyPTO chunked kernels yet (the decode kernel over a
-pool computes them: :mod:`.kernel_decode`): the ops apply them in torch on the
-way in and their chain rule on the way out (:func:`torch_gdr._gating.activate_call` and
-:func:`torch_gdr._gating.gating_backward`, through :mod:`torch_gdr.ops._define`), so the
-kernels see activated g and beta.
+``allow_neg_eigval``) are computed inside the kernels (:mod:`.kernel_gating`): both ops
+are defined with ``in_kernel_gating``, so they receive the raw gate and beta logits, the
+forward kernel activates them as it reads a chunk, and the backward kernel applies the
+chain rule to its gradients per token; ``dA_log`` and ``ddt_bias`` are sums over tokens of
+its per-token terms, in torch (:func:`.backward.launch_backward`). The pure-torch fallback
+of the backward applies the activations and their chain rule in torch
+(:mod:`torch_gdr._gating`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional
 import torch
 
 from torch_gdr._fallback import failure_reason, refuse_or_warn
+from torch_gdr._gating import Gating, activate_call, gating_backward
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op
 from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
@@ -39,6 +42,11 @@ Tensor = torch.Tensor
 
 def _token_major(x: Tensor) -> Tensor:
     return x.flatten(0, 1)
+
+
+def _gating(call: GdrCall) -> Gating:
+    return Gating(call.use_gate_in_kernel, call.A_log, call.dt_bias, call.use_beta_sigmoid_in_kernel,
+                  call.allow_neg_eigval)
 
 
 def _packed(call: GdrCall) -> tuple[Tensor, int]:
@@ -68,7 +76,8 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
     o, final_state, chunk_states = launch_forward(
         _token_major(q), _token_major(k), _token_major(v), _token_major(g), _token_major(beta), cu_seqlens,
         None if call.initial_state is None else call.initial_state.float(),
-        scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, output_chunk_states=save_chunk_states)
+        scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, output_chunk_states=save_chunk_states,
+        gating=_gating(call))
     return o.view(v.shape).to(v.dtype), final_state, chunk_states
 
 
@@ -79,23 +88,28 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
     call (a configuration the forward ran on, but a kernel that fails to build or run), the
     fallback policy: with ``strict`` (the backend was named, or strict mode) a
     ``PyptoBackendError``, else the pure-torch backward on the same device, with one warning
-    per reason."""
+    per reason. A gated call (raw g and beta, :mod:`torch_gdr._gating`) gets the gradients
+    of the raw inputs and ``(dA_log, ddt_bias)`` after the initial state's."""
     q, k, v, g, beta = call.q, call.k, call.v, call.g, call.beta
     cu_seqlens, chunk_size = _packed(call)
     try:
-        dq, dk, dv, dg, dbeta, d_initial = launch_backward(
+        dq, dk, dv, dg, dbeta, d_initial, *d_heads = launch_backward(
             _token_major(grad_o), grad_final_state, _token_major(q), _token_major(k), _token_major(v),
             _token_major(g), _token_major(beta), cu_seqlens, call.initial_state, chunk_states, scale=call.scale,
-            use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size)
+            use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size, gating=_gating(call))
         return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
-                d_initial)
+                d_initial, *d_heads)
     except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
         reason = failure_reason("the backward kernel", error)
     refuse_or_warn("pypto", reason, named=strict, instead="the pure-torch backward")
-    return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
+    grads = list(chunk_gated_delta_rule_bwd(activate_call(call), grad_o, grad_final_state, None))
+    if call.gated:  # the activations' chain rule, in torch
+        grads[3], grads[4], d_a_log, d_dt_bias = gating_backward(call, grads[3], grads[4])
+        grads += [d_a_log, d_dt_bias]
+    return tuple(grads)
 
 
-pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward)
+pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward, in_kernel_gating=True)
 
 
 def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
@@ -105,12 +119,14 @@ def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size
     return [None, v.shape[-2], q.shape[-1], v.shape[-1]]
 
 
-pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd, _states_shape)
+pypto_fwd = define_backend("pypto", pypto_forward, pypto_bwd, _states_shape, in_kernel_gating=True)
 
 
 def pypto_step(call: GdrCall) -> tuple[Tensor, Tensor]:
     """The step entry: one launch of the chunked forward kernel at its smallest chunk
-    (differentiable through the op's autograd), canonical layout."""
+    (differentiable through the op's autograd), canonical layout; fla's activations in the
+    kernel (raw g and beta where the call's flags say)."""
     o, final_state, _ = pypto_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, True,
-                                  call.use_qk_l2norm, call.cu_seqlens, CHUNK_SIZES[0], False)
+                                  call.use_qk_l2norm, call.cu_seqlens, CHUNK_SIZES[0], False, False, False,
+                                  *_gating(call))
     return o, final_state

@@ -232,8 +232,13 @@ def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs"])
-def test_more_configurations(case: str) -> None:
+@pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs",
+                                  "bf16_pool_k128_speculative", "bf16_pool_k128_grouped_heads"])
+def test_more_configurations(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configurations the default cases leave out. The bf16 pools at K = 128: the row read
+    in one copy and cast block by block (two 64-row blocks), stored rounded after every
+    token while the sequence carries fp32 between its tokens (the reference rounds at the
+    same stores); one value head per body, and a key head's two value heads per body."""
     if case == "k128_v64_fp16_pool":
         run_case([1, 1, 1], None, None, heads=(2, 4), dk=128, dv=64, pool_dtype=torch.float16)
     elif case == "v_first_padded":
@@ -242,6 +247,19 @@ def test_more_configurations(case: str) -> None:
         run_case([8, 5], 8, [8, 3], dk=128, dv=128, l2norm=False, slots=20)
     elif case == "fp16_inputs":
         run_case([2, 2], 2, [1, 2], dtype=torch.float16)
+    elif case == "bf16_pool_k128_speculative":
+        run_case([2, 1], 2, [2, 1], dk=128, dv=128, pool_dtype=torch.bfloat16, rows=[[4, 6], [5, -1]],
+                 nan_rows=(0,), seed=5)
+    elif case == "bf16_pool_k128_grouped_heads":
+        from torch_gdr.ops.pypto import kernel_decode
+
+        monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+        kernel_cache.decode_cache_clear()
+        try:
+            run_case([1, 1], None, None, heads=(1, 2), dk=128, dv=128, pool_dtype=torch.bfloat16, rows=[[3], [-1]],
+                     nan_rows=(0,), seed=6)
+        finally:
+            kernel_cache.decode_cache_clear()
 
 
 @pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16),

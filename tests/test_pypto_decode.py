@@ -11,11 +11,13 @@ outside the written rows is unchanged. The interpreter is slow: default cases ar
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_gdr
 from torch_gdr.ops.pypto import is_pypto_available
@@ -36,6 +38,71 @@ def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) ->
     err = (got.double() - want).abs()
     bad = int((err > 1e-3 * want.abs() + 1e-4).sum())
     assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
+
+
+class _HostReadGuard(TorchDispatchMode):
+    """While armed, a host read of tensor values (``.item()``, ``bool()``/``int()`` of a
+    tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``) or a tensor built from host data
+    (``torch.tensor(list)``) raises ``AssertionError``."""
+
+    FORBIDDEN = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.armed and func in self.FORBIDDEN:
+            raise AssertionError(f"the pypto pool step read the host: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads_in_the_step(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Arm :class:`_HostReadGuard` over the host side of the pypto pool step (the op's body,
+    :func:`torch_gdr.ops.pypto.decode.pool_step_eager`), except the argument checks (which
+    read CPU tensors, as the pool rules say) and the interpreter's launch (on the device
+    that is the kernel)."""
+    from torch_gdr.ops.pypto import decode
+
+    guard = _HostReadGuard()
+
+    def disarmed(fn):
+        def call(*args, **kwargs):
+            armed, guard.armed = guard.armed, False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                guard.armed = armed
+        return call
+
+    def armed(fn):
+        def call(*args, **kwargs):
+            # entered here, inside the op's body: a mode around the call would see the op, not
+            # what its body runs
+            with guard:
+                guard.armed = True
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    guard.armed = False
+        return call
+
+    def refuse(name):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if guard.armed:
+                raise AssertionError(f"the pypto pool step read the host: Tensor.{name}")
+            return real(self, *args, **kwargs)
+        return method
+
+    monkeypatch.setattr(decode, "pool_step_eager", armed(decode.pool_step_eager))
+    monkeypatch.setattr(decode._pool, "check_pool_args", disarmed(decode._pool.check_pool_args))
+    monkeypatch.setattr(decode.interpreter, "launch", disarmed(decode.interpreter.launch))
+    for name in ("tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    yield
 
 
 def raw_gating(x: dict, num_v_heads: int, *, gate: bool, dt_bias: bool, beta_sigmoid: bool, neg_eigval: bool,
@@ -67,11 +134,14 @@ def raw_gating(x: dict, num_v_heads: int, *, gate: bool, dt_bias: bool, beta_sig
 def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]], *, heads=(1, 2), dk: int = 64,
              dv: int = 64, rows: Optional[list[list[int]]] = None, dtype=torch.float32, pool_dtype=torch.float32,
              v_first: bool = False, pad: int = 0, l2norm: bool = True, scale: Optional[float] = None,
-             nan_rows: tuple[int, ...] = (), slots: int = 12, seed: int = 0, gating: Optional[dict] = None) -> None:
+             nan_rows: tuple[int, ...] = (), slots: int = 12, seed: int = 0, gating: Optional[dict] = None,
+             validate: bool = True, guard: Optional[pytest.MonkeyPatch] = None, compiled: bool = False) -> None:
     """One decode call on ``"pypto"`` against each request alone (see the module docstring).
     ``nan_rows``: pool rows filled with NaN that no sequence reads (-1 must not read them).
     ``gating``: keyword arguments of :func:`raw_gating` (raw g and beta, activated in the
-    kernel; the reference applies the activations by hand)."""
+    kernel; the reference applies the activations by hand). ``guard``: run the step under
+    :func:`no_host_reads_in_the_step` (with this monkeypatch). ``compiled``: the call under
+    ``torch.compile(fullgraph=True)``, which must trace it into one graph holding the op."""
     h, hv = heads
     cols = width or 1
     if rows is None:
@@ -91,11 +161,25 @@ def run_case(lens: list[int], width: Optional[int], accepted: Optional[list[int]
     before_pool = before[:, :pool[0].numel()].view(pool.shape)
     idx = torch.tensor(rows if width else [r[0] for r in rows], dtype=torch.int32)
     acc = None if accepted is None else torch.tensor(accepted, dtype=torch.int64)
-    with torch.no_grad():
-        o, returned = torch_gdr.fused_recurrent_gated_delta_rule(
-            *(x[f] for f in FIELDS[:4]), beta=x["beta"], scale=scale, initial_state=pool, ssm_state_indices=idx,
-            num_accepted_tokens=acc, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first,
-            backend="pypto", **gating_kwargs)
+    def step(q, k, v, g, beta, pool, idx, acc, cu):
+        return torch_gdr.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, scale=scale, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=acc,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm, state_v_first=v_first, backend="pypto", validate=validate,
+            **gating_kwargs)
+
+    counter = None
+    if compiled:
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        step = torch.compile(step, fullgraph=True, backend=counter)
+    with torch.no_grad(), (no_host_reads_in_the_step(guard) if guard is not None else contextlib.nullcontext()):
+        o, returned = step(*(x[f] for f in FIELDS), pool, idx, acc, cu)
+    if counter is not None:
+        assert counter.frame_count == 1
+        assert any(node.target is torch.ops.gdr._pypto_pool_step.default
+                   for graph in counter.graphs for node in graph.graph.nodes)
     assert returned is pool
     assert o.shape == x["v"].shape and o.dtype == dtype
     o = o.reshape(-1, hv, dv)
@@ -232,8 +316,13 @@ def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs"])
-def test_more_configurations(case: str) -> None:
+@pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs",
+                                  "bf16_pool_k128_speculative", "bf16_pool_k128_grouped_heads"])
+def test_more_configurations(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configurations the default cases leave out. The bf16 pools at K = 128: the row read
+    in one copy and cast block by block (two 64-row blocks), stored rounded after every
+    token while the sequence carries fp32 between its tokens (the reference rounds at the
+    same stores); one value head per body, and a key head's two value heads per body."""
     if case == "k128_v64_fp16_pool":
         run_case([1, 1, 1], None, None, heads=(2, 4), dk=128, dv=64, pool_dtype=torch.float16)
     elif case == "v_first_padded":
@@ -242,6 +331,41 @@ def test_more_configurations(case: str) -> None:
         run_case([8, 5], 8, [8, 3], dk=128, dv=128, l2norm=False, slots=20)
     elif case == "fp16_inputs":
         run_case([2, 2], 2, [1, 2], dtype=torch.float16)
+    elif case == "bf16_pool_k128_speculative":
+        run_case([2, 1], 2, [2, 1], dk=128, dv=128, pool_dtype=torch.bfloat16, rows=[[4, 6], [5, -1]],
+                 nan_rows=(0,), seed=5)
+    elif case == "bf16_pool_k128_grouped_heads":
+        from torch_gdr.ops.pypto import kernel_decode
+
+        monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+        kernel_cache.decode_cache_clear()
+        try:
+            run_case([1, 1], None, None, heads=(1, 2), dk=128, dv=128, pool_dtype=torch.bfloat16, rows=[[3], [-1]],
+                     nan_rows=(0,), seed=6)
+        finally:
+            kernel_cache.decode_cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lens, width, accepted, rows", [
+    ([2, 0, 1, 0], 2, None, [[4, 6], [7, 8], [5, -1], [9, 10]]),  # empty sequences, one of them last
+    ([1, 3, 2], 3, [1, 3, 2], [[2, -1, -1], [4, 6, 9], [-1, 5, 7]]),  # acceptance, -1 slots and start rows
+])
+def test_varlen_step_reads_nothing_on_the_host(lens: list[int], width: int, accepted: Optional[list[int]],
+                                               rows: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed sequences (cu_seqlens) of uneven length, ``validate=False``: the host side of
+    the step builds its token slots and scatters the outputs with device ops on cu_seqlens
+    (no ``.item()``, ``.tolist()``, ``.cpu()``, no tensor from host data; the argument
+    checks, which read CPU tensors, aside), and matches the float64 recurrence."""
+    run_case(lens, width, accepted, rows=rows, validate=False, guard=monkeypatch, seed=9)
+
+
+@pytest.mark.slow
+def test_varlen_step_traces_under_torch_compile_fullgraph() -> None:
+    """The varlen step (cu_seqlens with an empty sequence, acceptance, -1 slots) compiles
+    with ``fullgraph=True`` into one graph around ``gdr::_pypto_pool_step`` and gives the
+    float64 recurrence's outputs and rows, other pool bytes unchanged."""
+    run_case([2, 0, 1], 2, [2, 1, 1], rows=[[4, 6], [7, 8], [-1, 5]], validate=False, compiled=True, seed=10)
 
 
 @pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16),

@@ -65,8 +65,10 @@ class PoolPlan:
 
     Attributes:
         num_seqs: N.
-        bos: first token of every sequence in the flattened token axis (``B * T`` tokens).
-        seq_lens: tokens of every sequence.
+        bos: first token of every sequence in the flattened token axis (``B * T`` tokens);
+            None where ``cu_seqlens`` was left unread (``check_pool_args(...,
+            host_offsets=False)`` on a device without validation).
+        seq_lens: tokens of every sequence; None where ``bos`` is.
         token_major: the inputs came without the batch dim (``[T, ...]``).
         slots: rows of the pool.
         state_v_first: the pool is value-first ``[slots, HV, V, K]``.
@@ -80,8 +82,8 @@ class PoolPlan:
     """
 
     num_seqs: int
-    bos: tuple[int, ...]
-    seq_lens: tuple[int, ...]
+    bos: Optional[tuple[int, ...]]
+    seq_lens: Optional[tuple[int, ...]]
     token_major: bool
     slots: int
     state_v_first: bool
@@ -166,7 +168,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Optional[Tensor] = None, num_accepted_tokens: Optional[Tensor] = None,
                     initial_state_indices: Optional[Tensor] = None, final_state_indices: Optional[Tensor] = None,
                     checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
-                    validate: bool = True, in_place: bool = True) -> PoolPlan:
+                    validate: bool = True, in_place: bool = True, host_offsets: bool = True) -> PoolPlan:
     """Check a pool call and return its :class:`PoolPlan`; ``ValueError``/``TypeError``
     naming the argument, what it got and what was expected.
 
@@ -190,6 +192,10 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             ``inplace_final_state=True``). False: only the start rows are read from the pool
             (see :func:`token_states_buffer`), so neither the one-row-per-token width nor the
             rules of written rows apply.
+        host_offsets: the caller needs the sequences' offsets on the host (``plan.bos``,
+            ``plan.seq_lens``). With False (a decode step that computes from ``cu_seqlens`` on
+            the device), ``cu_seqlens`` on a device is read only to validate, and then
+            ``plan.bos``/``plan.seq_lens`` are None; ``cu_seqlens`` on the CPU is always read.
     """
     check_inputs(q, k, v, g, beta, scale, None, cu_seqlens, 64, state_v_first)
     token_major = q.dim() == 3
@@ -198,12 +204,16 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     device = q.device
     _check_pool(pool, num_v_heads, head_k_dim, head_v_dim, state_v_first, device)
     check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool)
-    if cu_seqlens is not None:
+    bos: Optional[tuple[int, ...]]
+    lens: Optional[tuple[int, ...]]
+    if cu_seqlens is None:
+        bos, lens = tuple(n * lead_t for n in range(lead_b)), (lead_t,) * lead_b
+    elif host_offsets or validate or cu_seqlens.device.type == "cpu":
         offsets = read_cu_seqlens(cu_seqlens, lead_b * lead_t)
         bos, lens = tuple(offsets[:-1]), tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-    else:
-        bos, lens = tuple(n * lead_t for n in range(lead_b)), (lead_t,) * lead_b
-    num_seqs, slots = len(lens), pool.shape[0]
+    else:  # left on the device: the values are not checked (validate=False)
+        bos = lens = None
+    num_seqs, slots = (cu_seqlens.shape[0] - 1 if lens is None else len(lens)), pool.shape[0]
 
     decode = ssm_state_indices is not None
     prefill = initial_state_indices is not None
@@ -220,6 +230,8 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                 raise ValueError(f"{name}: is a prefill argument (with initial_state_indices); a decode call with "
                                  "ssm_state_indices takes none")
         return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, in_place, **common)
+    if lens is None:
+        raise ValueError("host_offsets: a prefill call reads cu_seqlens on the host; pass host_offsets=True")
     if num_accepted_tokens is not None:
         raise ValueError("num_accepted_tokens: is a decode argument (with ssm_state_indices); a prefill call takes none")
     return _check_prefill(initial_state_indices, final_state_indices, checkpoint_offsets, checkpoint_indices, device,
@@ -234,7 +246,7 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
         raise ValueError(f"ssm_state_indices: expected shape [N] or [N, S >= 1] with N = {num_seqs} sequences, got "
                          f"{_shape(idx)}")
     width = 1 if idx.dim() == 1 else idx.shape[1]
-    longest = max(lens, default=0)
+    longest = 0 if lens is None else max(lens, default=0)  # unread offsets: not checked (validate=False)
     if in_place and longest > width:
         n = lens.index(longest)
         if idx.dim() == 1:
@@ -259,12 +271,13 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
                 raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
                                  f"always accepted), got {int(counts[n])} at index {n}")
             read = [c - 1 for c in counts.tolist()]
-        table = rows.tolist()
-        writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs) for j in range(lens[n])
-                  if in_place and table[n][j] >= 0]
-        reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
-                 if lens[n] > 0 and table[n][read[n]] >= 0]
-        _check_row_conflicts(writes, reads)
+        if lens is not None:  # which entries are written follows the lengths
+            table = rows.tolist()
+            writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
+                      for j in range(lens[n]) if in_place and table[n][j] >= 0]
+            reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
+                     if lens[n] > 0 and table[n][read[n]] >= 0]
+            _check_row_conflicts(writes, reads)
     indices = idx.to(device=device, dtype=torch.int64).reshape(num_seqs, width)
     read_pos = None if acc is None else acc.to(device=device, dtype=torch.int64) - 1
     return PoolPlan(indices=indices, read_pos=read_pos, **common)

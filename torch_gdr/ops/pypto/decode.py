@@ -15,12 +15,14 @@ key-first copy of the rows the call touches, written back afterwards.
 
 Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
 returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records
-it as one node. The plain step (equal-length sequences filling their S slots, no
-``cu_seqlens``, a packed key-first pool, NPU index tensors with ``validate=False``) reads
-nothing back to the host and builds no tensor from host data: the row tables and the
-padding come from device ops. What still reads the host: validation of index values
-(always for CPU index tensors, as the semantics say), ``cu_seqlens`` (their lengths), and
-the copy path of a value-first or padded pool (which rows it touches).
+it as one node. With a packed key-first pool and device index tensors and ``cu_seqlens``
+under ``validate=False``, the step reads nothing back to the host and builds no tensor
+from host data: the row tables, the padding and, for packed sequences (``cu_seqlens``)
+or sequences shorter than S, the table of token slots and the scatter of the outputs
+come from device ops on the index tensors and ``cu_seqlens``. What still reads the host:
+validation of index values and of ``cu_seqlens`` (always for CPU tensors, as the
+semantics say), and the copy path of a value-first or padded pool (which rows it
+touches).
 
 On CPU tensors the kernel runs through PyPTO's interpreter (:mod:`.interpreter`); on
 Ascend NPU tensors it is launched on the device.
@@ -66,16 +68,23 @@ def batch_bucket(num_seqs: int) -> int:
         bucket *= 2
 
 
-def _token_slots(plan: _pool.PoolPlan, width: int, device: torch.device) -> Optional[Tensor]:
-    """Index into the flattened tokens of every (sequence, slot j < S) in the kernel's
-    order, or None when the tokens already lie that way (every sequence S tokens long,
-    back to back). Slots past a sequence's length point at token 0 (an empty last
-    sequence's offset is the token count, out of range): their outputs are dropped and their
-    states never written. Needs at least one token in the call."""
-    if all(length == width for length in plan.seq_lens) and plan.bos == tuple(n * width for n in range(plan.num_seqs)):
-        return None
-    table = [plan.bos[n] + j if j < plan.seq_lens[n] else 0 for n in range(plan.num_seqs) for j in range(width)]
-    return torch.tensor(table, dtype=torch.int64, device=device)
+def _token_slots(cu_seqlens: Optional[Tensor], num_seqs: int, seq_len: int, width: int,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """Where every (sequence, slot j < S) of the kernel's order lies among the flattened
+    tokens, with device ops only (no host read of ``cu_seqlens``): ``(slots [N * S],
+    in_sequence [N, S] bool)``. Sequence n starts at ``cu_seqlens[n]`` (without it: B
+    sequences of ``seq_len`` tokens); slots past its length point at token 0, their outputs
+    are dropped and their states never written (``in_sequence`` false)."""
+    if cu_seqlens is None:
+        starts = torch.arange(num_seqs, device=device) * seq_len
+        lengths = torch.full((num_seqs,), seq_len, dtype=torch.int64, device=device)
+    else:
+        offsets = cu_seqlens.to(device=device, dtype=torch.int64)
+        starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
+    position = torch.arange(width, device=device).view(1, -1)
+    in_sequence = position < lengths.view(-1, 1)
+    slots = torch.where(in_sequence, starts.view(-1, 1) + position, torch.zeros_like(position))
+    return slots.flatten(), in_sequence
 
 
 def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
@@ -171,7 +180,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                                 validate=validate)
+                                 validate=validate, host_offsets=False)
     device = q.device
     if device.type not in ("cpu", "npu"):
         raise ValueError(f"q: the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
@@ -186,14 +195,20 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     num_qk_heads, head_k_dim = q.shape[-2], q.shape[-1]
     num_v_heads, head_v_dim = v.shape[-2], v.shape[-1]
     scale = head_k_dim ** -0.5 if scale is None else float(scale)
-    if num_seqs == 0 or sum(plan.seq_lens) == 0:
+    num_tokens = v.numel() // (num_v_heads * head_v_dim)
+    if num_seqs == 0 or num_tokens == 0:
         return torch.zeros_like(v)
 
-    # Inputs in the kernel's token order [N * S, heads * dim], in one dtype.
+    # Inputs in the kernel's token order [N * S, heads * dim], in one dtype. The common step
+    # (B sequences of S tokens, no cu_seqlens) is already in that order; otherwise the
+    # tokens are gathered through a slot table built on the device from cu_seqlens.
     in_dtype = v.dtype if q.dtype == v.dtype else torch.float32
     flat = [x if plan.token_major else x.reshape(-1, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    slots = _token_slots(plan, width, device)
-    if slots is not None:
+    seq_len = num_tokens if plan.token_major else q.shape[1]
+    full_width = cu_seqlens is None and seq_len == width
+    slots = in_sequence = None
+    if not full_width:
+        slots, in_sequence = _token_slots(cu_seqlens, num_seqs, seq_len, width, device)
         flat = [x.index_select(0, slots) for x in flat]
     bucket = batch_bucket(num_seqs)
     pad_tokens = (bucket - num_seqs) * width
@@ -209,13 +224,9 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
     read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
-    full_width = all(length == width for length in plan.seq_lens)
-    in_sequence = None  # every slot holds a token (the common step: no table built on the host)
     write_rows = indices
-    if not full_width:
-        lengths = torch.tensor(plan.seq_lens, dtype=torch.int64, device=indices.device)
-        in_sequence = torch.arange(width, device=indices.device).view(1, -1) < lengths.view(-1, 1)
-        write_rows = torch.where(in_sequence, indices, torch.full_like(indices, -1))
+    if in_sequence is not None:
+        write_rows = torch.where(in_sequence.to(indices.device), indices, torch.full_like(indices, -1))
 
     # The pool the kernel sees: the caller's (packed key-first rows), or a packed copy of
     # the rows this call touches.
@@ -264,15 +275,12 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     if not in_place and touched.numel():
         _pool.pool_scatter(pool, touched, work_pool, state_v_first)
 
-    o = o[:num_seqs * width].view(num_seqs, width, num_v_heads, head_v_dim)
+    o = o[:num_seqs * width]
     if slots is None:
         out = o.reshape(v.shape)
-    else:
-        num_tokens = v.numel() // (num_v_heads * head_v_dim)
-        out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
-        valid = in_sequence.to(device) if in_sequence is not None else torch.ones(num_seqs, width, dtype=torch.bool,
-                                                                                   device=device)
-        token_ids = slots.view(num_seqs, width)[valid]
-        out[token_ids] = o[valid]
-        out = out.reshape(v.shape)
+    else:  # slots outside a sequence go to a spare row past the tokens, then dropped
+        target = torch.where(in_sequence.flatten(), slots, torch.full_like(slots, num_tokens))
+        out = torch.zeros(num_tokens + 1, num_v_heads * head_v_dim, dtype=torch.float32, device=device)
+        out.index_copy_(0, target, o)
+        out = out[:num_tokens].reshape(v.shape)
     return out.to(v.dtype)

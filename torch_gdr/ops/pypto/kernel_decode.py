@@ -6,7 +6,7 @@ rows of one sequence on one value head, or on all the value heads of one key hea
 its own, so a small batch's latency is one pair's; the group once the bodies queue, so q
 and k are read and normalised once and the scheduler meets half the tasks). Within a
 body the S tokens of the sequence (S = 1 for plain decode, up to 8 for speculative
-verification) run one after another on the state rows held as ``[K, V]`` fp32 tiles. Per
+verification) run one after another on the state rows held as fp32 blocks of 64 rows. Per
 token and value head, on the vector unit, with ``d = exp(g)``::
 
     kv    = S^T k,   sq = S^T q             two matvecs of the state before the token,
@@ -32,8 +32,13 @@ bounds the task. Hence: each input read straight from memory where it is used (a
 an on-chip tensor is a round trip through memory: the decays are read per head rather
 than as one row of the group), the row table two-dimensional (its ``[1, 1]`` view needs
 no reshape, another round trip), and the state tiles at 64 rows (32-row tiles double the
-copies; 128-row fp32 tiles fail in the cost model). What is left: the state's copies
-and a few tiles the unified buffer spills.
+copies; 128-row fp32 tiles fail in the cost model). The state is held as separate
+64-row blocks: a column sum over the whole ``[K, V]`` is a pairwise reduction across its
+tiles, an order of magnitude dearer on the vector pipe than the blocks' own sums added.
+A 2-byte pool row (bf16, fp16) is read whole, ``[K, V]`` in one copy (as many bytes as
+one fp32 block: one copy where fp32 needs two), masked in its own dtype and cast to fp32
+block by block (slices of an on-chip tile that match the blocks stay on chip). What is left: the copies and, for
+fp32, a few tiles the unified buffer spills.
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -199,29 +204,44 @@ def build_decode_kernel(
         row_value = pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32)
         return row_in, pypto.expand_clone(row_value, [1, dv]) >= 0.0
 
-    def start_state(pool: Any, row_in: Any, keep: Any, head: Any) -> Any:
-        """The state a sequence starts from on value head ``head``, fp32 ``[K, V]``: its
-        pool row ``row_in``, or zeros where ``keep`` ``[1, V]`` is false (row -1: row 0 is
-        read in its place and masked out, so a row holding NaN or inf never leaks)."""
+    def start_state(pool: Any, row_in: Any, keep: Any, head: Any) -> list:
+        """The state a sequence starts from on value head ``head``, as its row blocks (fp32
+        ``[state_rows, V]`` each, K / state_rows of them): its pool row ``row_in``, or zeros
+        where ``keep`` ``[1, V]`` is false (row -1: row 0 is read in its place and masked
+        out, so a row holding NaN or inf never leaks)."""
+        first_row = (pypto.max(row_in, 0) * num_v_heads + head) * dk
+        if pool_dtype == "float32":
+            pypto.set_vec_tile_shapes(state_rows, 128)
+            return [pypto.where(keep, pypto.view(pool, [state_rows, dv], [first_row + r, 0]), 0.0)
+                    for r in range(0, dk, state_rows)]
+        # a 2-byte row: one copy of the whole [K, V] row (one tile), cast per block
+        pypto.set_vec_tile_shapes(dk, 128)
+        stored = pypto.where(keep, pypto.view(pool, [dk, dv], [first_row, 0]), 0.0)
         pypto.set_vec_tile_shapes(state_rows, 128)
-        stored = pypto.view(pool, [dk, dv], [(pypto.max(row_in, 0) * num_v_heads + head) * dk, 0])
-        stored = pypto.cast(stored, fp32) if pool_dtype != "float32" else stored
-        return pypto.where(keep, stored, 0.0)
+        return [pypto.cast(pypto.view(stored, [state_rows, dv], [r, 0]), fp32) for r in range(0, dk, state_rows)]
 
-    def token_step(state: Any, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any, qk: Any) -> tuple[Any, Any]:
-        """One token on one value head: the state after it ``[K, V]`` and the output ``[1, V]``,
-        from the state before it, q and k ``[1, K]``, v ``[1, V]``, exp(g) and q . k as
-        ``[1, V]`` rows and beta ``[1, 1]``."""
+    def token_step(state: list, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any, qk: Any) -> tuple[list, Any]:
+        """One token on one value head: the state after it (row blocks, as
+        :func:`start_state`) and the output ``[1, V]``, from the state before it, q and k
+        ``[1, K]``, v ``[1, V]``, exp(g) and q . k as ``[1, V]`` rows and beta ``[1, 1]``.
+        Each block's column sums are taken apart and added (a sum over the whole ``[K, V]``
+        costs a pairwise reduction across the tiles)."""
         pypto.set_vec_tile_shapes(state_rows, 128)
         k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
         q_col = pypto.transpose(q_t, 0, 1)
-        kv = (state * pypto.expand_clone(k_col, [dk, dv])).sum(0, keepdim=True)  # S^T k before the decay
-        sq = (state * pypto.expand_clone(q_col, [dk, dv])).sum(0, keepdim=True)  # S^T q
+        k_blocks = [pypto.view(k_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
+        q_blocks = [pypto.view(q_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
+        kv = sq = None
+        for block, k_b, q_b in zip(state, k_blocks, q_blocks):
+            kv_b = (block * k_b).sum(0, keepdim=True)  # S^T k before the decay
+            sq_b = (block * q_b).sum(0, keepdim=True)  # S^T q
+            kv = kv_b if kv is None else kv + kv_b
+            sq = sq_b if sq is None else sq + sq_b
         pypto.set_vec_tile_shapes(1, 128)
         u = (v_t - kv * decay) * beta_t
         o_t = sq * decay + u * qk  # (decayed S + k u^T)^T q
         pypto.set_vec_tile_shapes(state_rows, 128)
-        state = state * decay + pypto.expand_clone(k_col, [dk, dv]) * u
+        state = [block * decay + pypto.expand_clone(k_b, [state_rows, dv]) * u for block, k_b in zip(state, k_blocks)]
         return state, o_t
 
     def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
@@ -270,8 +290,9 @@ def build_decode_kernel(
     def store_states(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
         for h, state in enumerate(states):
             pypto.set_vec_tile_shapes(state_rows, 128)
-            stored = state if pool_dtype == "float32" else pypto.cast(state, pool_dt)
-            pypto.assemble(stored, [(row_out * num_v_heads + first_head + h) * dk, 0], pool_out)
+            for r, block in zip(range(0, dk, state_rows), state):
+                stored = block if pool_dtype == "float32" else pypto.cast(block, pool_dt)
+                pypto.assemble(stored, [(row_out * num_v_heads + first_head + h) * dk + r, 0], pool_out)
 
     token_offsets = tuple(range(tokens_per_seq))
     jit = pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
@@ -343,14 +364,16 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
     sees it (``bench/pypto_cost_model.py --decode``).
 
     Same loop and tiles as the decode kernel: each (sequence, value head) reads its
-    ``[K, V]`` row once and writes it to each of its S rows. Arguments: ``read_rows [B]``
+    ``[K, V]`` row once and writes it to each of its S rows, in tiles of 64 rows (fp32) or
+    the whole row (a 2-byte pool, one copy, as the decode kernel reads it). Arguments:
+    ``read_rows [B]``
     int32, ``write_rows [B * S]`` int32 (valid rows only), ``pool`` and ``pool_out``
     ``[slots * HV * K, V]`` (one storage, as for the decode kernel).
     """
     pypto = import_pypto()
     pool_dt = _pypto_dtype(pool_dtype)
     hv, dk, dv, s = num_v_heads, head_k_dim, head_v_dim, tokens_per_seq
-    state_rows = min(dk, 64)
+    state_rows = min(dk, 64) if pool_dtype == "float32" else dk
     token_offsets = tuple(range(s))
 
     @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM, "stitch_function_max_num": STITCH_BODIES})

@@ -597,7 +597,7 @@ def build_gdr_kernel(
         ``[l, width]``, times ``weight [l, 1]`` if given.
 
         A strided two-dimensional view (no reshape), brought on chip by one vector task in
-        64-row tiles: the cast for half inputs, zero-filled past ``rows`` for a tail, plus
+        64-row tiles (128 with ``joined``): the cast for half inputs, zero-filled past ``rows`` for a tail, plus
         ``order`` unless None (zeros written by the previous chunk's read, see the
         ``ticket`` input). (Consumed directly by the chunk's 128-row work, the view fails in
         pypto 0.2.0's runtime model.)
@@ -663,7 +663,7 @@ def build_gdr_kernel(
                            chunk_states_out)
         # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
         # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
-        # are one task (a third of the read tasks; measured in bench/RESULTS.md).
+        # and the ticket's zeros are one task, where each cast was one (bench/RESULTS.md).
         # The keys first: a non-finite key row may reach the others' row, never the reverse.
         joined = [] if input_dtype != "float32" and body_heads > 1 and not tail else None
         if joined is None:

@@ -172,6 +172,24 @@ def test_several_value_heads_per_loop_body(body_heads: int, gated: bool, monkeyp
         kernel_cache.cache_clear()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_inputs_in_bodies_of_several_value_heads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half q, k, v in bodies of four value heads (the saturating launches' path, which reads
+    a chunk's q, k and v in one task): a first, a middle and a tail chunk (300 tokens at
+    kernel chunk 128), a one-chunk sequence, GVA, an initial state. Against the recurrence on
+    the same rounded inputs, through the host forward (float32 output)."""
+    monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
+    monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (4,))
+    kernel_cache.cache_clear()
+    try:
+        inputs = make_inputs([300, 40], num_qk_heads=2, num_v_heads=8, with_initial_state=True, seed=5)
+        inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+        assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True, public_call=False)
+    finally:
+        kernel_cache.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
     """K=64, V=128; q, k, v in half precision go to the kernel as they are. The reference

@@ -608,18 +608,30 @@ def build_gdr_kernel(
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
     def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool,
-                  weight: Any = None) -> Any:
+                  weight: Any = None, joined: list | None = None) -> Any:
         """Rows ``[start, start + l)`` of head ``head`` of ``src [T, heads * width]`` as fp32
         ``[l, width]``, times ``weight [l, 1]`` if given.
 
         A strided two-dimensional view (no reshape), brought on chip by one vector task in
-        64-row tiles: the cast for half inputs, zero-filled past ``rows`` for a tail, plus
+        64-row tiles (128 with ``joined``): the cast for half inputs, zero-filled past ``rows`` for a tail, plus
         ``order`` unless None (zeros written by the previous chunk's read, see the
         ``ticket`` input). (Consumed directly by the chunk's 128-row work, the view fails in
-        pypto 0.2.0's runtime model.)"""
-        pypto.set_vec_tile_shapes(io_rows, 128)
+        pypto 0.2.0's runtime model.)
+
+        ``joined`` (half inputs): the reads given the same list are one task, in the chunk's
+        row tiles: the first read's cast goes into the list and each later read adds it
+        times zero (an exact zero where it is finite; pypto merges a dependency chain into
+        one task, independent casts each into a task of their own). Row-local: a non-finite
+        entry of the first read's row t (the keys') makes row t of the others non-finite,
+        as it does the state and o_t in the recurrence."""
+        pypto.set_vec_tile_shapes(io_rows if joined is None else vec_rows, 128)
         tile = pypto.view(src, [l, width], [start, head * width], valid_shape=[rows, width])
         x = tile if input_dtype == "float32" else pypto.cast(tile, fp32)
+        if joined is not None:
+            if joined:
+                x = x + joined[0] * 0.0
+            else:
+                joined.append(x)
         if tail:
             x = pypto.fillpad(x if input_dtype != "float32" else x + 0.0, "constant", 0.0)
         if order is not None:
@@ -680,11 +692,19 @@ def build_gdr_kernel(
             pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
                            chunk_states_out)
         # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
-        q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
-        k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
+        # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
+        # and the ticket's zeros are one task, where each cast was one (bench/RESULTS.md).
+        # The keys first: a non-finite key row may reach the others' row, never the reverse.
+        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail else None
+        if joined is None:
+            q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
+            k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
+        else:
+            k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail, joined=joined)
+            q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail, joined=joined)
         g_c, beta_c = load_gates(g_in, beta_in, head, start, rows, tail, io_rows if body_heads > 1 else vec_rows,
                                  *gate_params_in)
-        v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c)
+        v_beta = read_rows(v_in, dv, head, start, rows, order, tail, beta_c, joined=joined if dv == dk else None)
         pypto.set_vec_tile_shapes(io_rows, 128)
         zeros = k_c * 0.0  # written back; the next chunk's reads wait for this
         if dv > dk:  # every column a later read adds

@@ -42,18 +42,25 @@ def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) ->
 
 class _HostReadGuard(TorchDispatchMode):
     """While armed, a host read of tensor values (``.item()``, ``bool()``/``int()`` of a
-    tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``) or a tensor built from host data
-    (``torch.tensor(list)``) raises ``AssertionError``."""
+    tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``), a tensor built from host data
+    (``torch.tensor(list)``) or an op whose output shape depends on values (``unique``,
+    ``nonzero``, indexing by a boolean mask: on a device, a sync) raises ``AssertionError``."""
 
-    FORBIDDEN = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+    FORBIDDEN = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
+                 torch.ops.aten.is_nonzero.default, torch.ops.aten._unique2.default,
+                 torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default,
+                 torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
 
     def __init__(self) -> None:
         super().__init__()
         self.armed = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.armed and func in self.FORBIDDEN:
-            raise AssertionError(f"the pypto pool step read the host: {func}")
+        if self.armed:
+            masked = func is torch.ops.aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool for i in args[1])
+            if func in self.FORBIDDEN or masked:
+                raise AssertionError(f"the pypto pool step read the host: {func}")
         return func(*args, **(kwargs or {}))
 
 
@@ -347,17 +354,22 @@ def test_more_configurations(case: str, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lens, width, accepted, rows", [
-    ([2, 0, 1, 0], 2, None, [[4, 6], [7, 8], [5, -1], [9, 10]]),  # empty sequences, one of them last
-    ([1, 3, 2], 3, [1, 3, 2], [[2, -1, -1], [4, 6, 9], [-1, 5, 7]]),  # acceptance, -1 slots and start rows
+@pytest.mark.parametrize("lens, width, accepted, rows, layout", [
+    ([2, 0, 1, 0], 2, None, [[4, 6], [7, 8], [5, -1], [9, 10]], {}),  # empty sequences, one of them last
+    ([1, 3, 2], 3, [1, 3, 2], [[2, -1, -1], [4, 6, 9], [-1, 5, 7]], {}),  # acceptance, -1 slots and start rows
+    # the copy path of a value-first, padded pool: a row read and rewritten, a fork, -1 slots
+    ([2, 0, 1], 2, [2, 1, 1], [[4, 6], [7, 8], [-1, 5]], dict(v_first=True, pad=3)),
+    ([1, 1], None, None, [[-1], [-1]], dict(pad=2, nan_rows=(0,))),  # nothing written back
 ])
-def test_varlen_step_reads_nothing_on_the_host(lens: list[int], width: int, accepted: Optional[list[int]],
-                                               rows: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_varlen_step_reads_nothing_on_the_host(lens: list[int], width: Optional[int], accepted: Optional[list[int]],
+                                               rows: list[list[int]], layout: dict,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed sequences (cu_seqlens) of uneven length, ``validate=False``: the host side of
-    the step builds its token slots and scatters the outputs with device ops on cu_seqlens
-    (no ``.item()``, ``.tolist()``, ``.cpu()``, no tensor from host data; the argument
-    checks, which read CPU tensors, aside), and matches the float64 recurrence."""
-    run_case(lens, width, accepted, rows=rows, validate=False, guard=monkeypatch, seed=9)
+    the step builds its token slots, the copy of a value-first or padded pool and its write
+    back, and scatters the outputs with device ops (no ``.item()``, ``.tolist()``,
+    ``.cpu()``, no tensor from host data; the argument checks, which read CPU tensors,
+    aside), and matches the float64 recurrence, other pool bytes unchanged."""
+    run_case(lens, width, accepted, rows=rows, validate=False, guard=monkeypatch, seed=9, **layout)
 
 
 @pytest.mark.slow

@@ -11,18 +11,17 @@ say).
 
 A key-first pool whose rows are packed (row stride = row size) is read and written in
 place by the kernel. A value-first pool or one with padded rows goes through a packed
-key-first copy of the rows the call touches, written back afterwards.
+key-first copy, one row per (sequence, token) slot, written back afterwards.
 
 Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
 returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records
-it as one node. With a packed key-first pool and device index tensors and ``cu_seqlens``
-under ``validate=False``, the step reads nothing back to the host and builds no tensor
-from host data: the row tables, the padding and, for packed sequences (``cu_seqlens``)
-or sequences shorter than S, the table of token slots and the scatter of the outputs
-come from device ops on the index tensors and ``cu_seqlens``. What still reads the host:
-validation of index values and of ``cu_seqlens`` (always for CPU tensors, as the
-semantics say), and the copy path of a value-first or padded pool (which rows it
-touches).
+it as one node. With device index tensors and ``cu_seqlens`` under ``validate=False``, the
+step reads nothing back to the host and builds no tensor from host data, whatever the
+pool's layout: the row tables, the padding, the copy of a value-first or padded pool and,
+for packed sequences (``cu_seqlens``) or sequences shorter than S, the table of token
+slots and the scatter of the outputs come from device ops on the index tensors and
+``cu_seqlens``. What still reads the host: validation of index values and of
+``cu_seqlens`` (always for CPU tensors, as the semantics say).
 
 On CPU tensors the kernel runs through PyPTO's interpreter (:mod:`.interpreter`); on
 Ascend NPU tensors it is launched on the device.
@@ -85,6 +84,23 @@ def _token_slots(cu_seqlens: Optional[Tensor], num_seqs: int, seq_len: int, widt
     in_sequence = position < lengths.view(-1, 1)
     slots = torch.where(in_sequence, starts.view(-1, 1) + position, torch.zeros_like(position))
     return slots.flatten(), in_sequence
+
+
+def _write_back(pool: Tensor, rows: Tensor, states: Tensor, state_v_first: bool) -> None:
+    """Write key-first ``states [M, HV, K, V]`` (the pool's dtype) into pool rows ``rows
+    [M]``, in place, entries -1 skipped, with shapes that do not depend on the values (no
+    host read, unlike dropping them by a mask): a skipped entry writes again what the first
+    written entry writes, or, when none is written, row 0 its own contents (the same bits).
+    Rows of written entries are distinct (the pool rules)."""
+    written = rows >= 0
+    first = torch.argmax(written.to(torch.int32))  # the first written entry; 0 when none
+    any_written = written.any()
+    row0 = pool[0] if not state_v_first else pool[0].transpose(-1, -2)
+    spare_row = torch.where(any_written, rows[first], torch.zeros_like(rows[first]))
+    spare_state = torch.where(any_written, states[first], row0)
+    targets = torch.where(written, rows, spare_row)
+    values = torch.where(written.view(-1, 1, 1, 1), states, spare_state)
+    pool.index_copy_(0, targets, values.transpose(-1, -2) if state_v_first else values)
 
 
 def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
@@ -228,25 +244,22 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     if in_sequence is not None:
         write_rows = torch.where(in_sequence.to(indices.device), indices, torch.full_like(indices, -1))
 
-    # The pool the kernel sees: the caller's (packed key-first rows), or a packed copy of
-    # the rows this call touches.
+    # The pool the kernel sees: the caller's (packed key-first rows), or a packed key-first
+    # copy with one row per (sequence, token) slot, sequence n's start state in its token 0
+    # slot (the kernel reads it there, then overwrites it: a sequence may overwrite the row
+    # it reads). Shapes follow N and S alone: nothing is read back to the host.
     row_size = num_v_heads * head_k_dim * head_v_dim
     in_place = not state_v_first and pool.stride(0) == row_size
+    copy_rows = None  # the copy path: the pool row of every slot (-1: not written back)
     if in_place:
         work_pool = pool
     else:
-        touched = torch.unique(torch.cat([read_rows, write_rows.flatten()]))
-        touched = touched[touched >= 0]
-        work_pool = _pool.pool_gather(pool, touched, state_v_first).to(pool.dtype)
-        if touched.numel() == 0:
-            work_pool = pool.new_zeros(1, num_v_heads, head_k_dim, head_v_dim)
-        remap = torch.full((plan.slots,), -1, dtype=torch.int64, device=indices.device)
-        remap[touched] = torch.arange(touched.numel(), device=indices.device)
-
-        def local(rows: Tensor) -> Tensor:
-            return torch.where(rows >= 0, remap[rows.clamp_min(0)], rows)
-
-        read_rows, write_rows = local(read_rows), local(write_rows)
+        slot_of = torch.arange(num_seqs * width, device=indices.device).view(num_seqs, width)
+        work_pool = pool.new_empty(num_seqs * width, num_v_heads, head_k_dim, head_v_dim)
+        work_pool.index_copy_(0, slot_of[:, 0], _pool.pool_gather(pool, read_rows, state_v_first).to(pool.dtype))
+        copy_rows = write_rows.flatten()
+        read_rows = torch.where(read_rows >= 0, slot_of[:, 0], read_rows)
+        write_rows = torch.where(write_rows >= 0, slot_of, write_rows)
     pad_rows = torch.full((bucket - num_seqs,), -1, dtype=torch.int64, device=indices.device)
     read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
@@ -272,8 +285,8 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     shift = len(gate_params)
     interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, *gate_params, read_in, write_in, pool_rows, o,
                                 pool_rows], [_O_ARG + shift, _POOL_OUT_ARG + shift])
-    if not in_place and touched.numel():
-        _pool.pool_scatter(pool, touched, work_pool, state_v_first)
+    if copy_rows is not None:
+        _write_back(pool, copy_rows, work_pool, state_v_first)
 
     o = o[:num_seqs * width]
     if slots is None:

@@ -115,7 +115,10 @@ exit 1
 """
 
 
-def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, monkeypatch, tmp_path) -> None:
+@pytest.fixture
+def refusing_compiler(monkeypatch, tmp_path) -> Path:
+    """``$CXX`` set to a compiler that answers ``--version`` and refuses to compile (a
+    first-use build then fails at once, in ninja's first step)."""
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
@@ -124,6 +127,10 @@ def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, monkeypatch, tm
     compiler.write_text(_FAILING_COMPILER)
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
+    return compiler
+
+
+def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, refusing_compiler, tmp_path) -> None:
     assert fresh_build.load() is None
     reason = fresh_build.unavailable_reason()
     assert reason is not None and "build failed" in reason
@@ -133,17 +140,9 @@ def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, monkeypatch, tm
     assert not _built_files(tmp_path / "cache")
 
 
-def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, monkeypatch, tmp_path) -> None:
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, refusing_compiler) -> None:
     """cpp_extension's baton (a file named ``lock`` whose existence is the lock) outlives a
     build killed midway; the next first-use build goes ahead rather than wait on it forever."""
-    from torch.utils import cpp_extension
-
-    if not cpp_extension.is_ninja_available():
-        pytest.skip("the first-use build needs ninja")
-    compiler = tmp_path / "refusing-c++"
-    compiler.write_text(_FAILING_COMPILER)
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CXX", str(compiler))
     directory = fresh_build.build_dir()
     directory.mkdir(parents=True)
     (directory / "lock").touch()  # the killed build's baton

@@ -51,7 +51,7 @@ from torch_gdr.ops.pypto._env import cache_dir, import_pypto, redirected_output
 from torch_gdr.ops.pypto.backward import build_bwd_for_cost_model
 from torch_gdr.ops.pypto.forward import chunk_offsets
 from torch_gdr.ops.pypto.kernel import augmented_state, build_gdr_kernel, chunk_masks, eye_pad, kernel_chunk_size, \
-    ticket_scratch, time_windows
+    ticket_scratch, ticket_width, time_windows
 
 CYCLES_PER_US = 1800.0
 #: ``make bench-npu``: (label, lengths). H=2, HV=4, K=V=128, l2norm and initial state on.
@@ -136,7 +136,7 @@ def forward_launch(w: Workload) -> tuple[Any, list[list[torch.Tensor]]]:
     inputs = [q.flatten(1), k.flatten(1), v.flatten(1), g, beta, *gate_params, cu_seqlens, offsets.int()]
     constants = [chunk_masks(chunk), eye_pad(w.head_k_dim, w.head_v_dim)]
     chunk_states_arg = chunk_states.view(-1, w.head_v_dim) if w.chunk_states else chunk_states
-    ticket = ticket_scratch(n * w.v_heads, chunk)
+    ticket = ticket_scratch(n * w.v_heads, chunk, width=ticket_width(w.head_k_dim, w.head_v_dim))
     launches = [[*inputs, window, *constants, augmented_state(s0, n, w.v_heads, w.head_k_dim, w.head_v_dim),
                  torch.zeros(t, w.v_heads * w.head_v_dim), torch.zeros(n * w.v_heads * w.head_k_dim, w.head_v_dim),
                  chunk_states_arg, ticket]
@@ -477,8 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lens", default="4096", help="comma-separated sequence lengths, packed (default 4096)")
     parser.add_argument("--heads", type=int, default=2, help="H, query/key heads")
     parser.add_argument("--v-heads", type=int, default=4, help="HV, value heads")
-    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V")
-    parser.add_argument("--head-v-dim", type=int, default=None, choices=(64, 128), help="V, if not K")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256), help="K = V")
+    parser.add_argument("--head-v-dim", type=int, default=None, choices=(64, 128, 256), help="V, if not K")
     parser.add_argument("--chunk", type=int, default=None, choices=(32, 64, 128),
                         help="chunk length (default: the kernel's choice)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))

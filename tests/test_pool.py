@@ -7,7 +7,7 @@ Everything goes through the exported calls: the decode step
 ``"torch"`` backend (pure torch, any device), the ``"cpu"`` backend (the fused kernels) and
 the ``"pypto"`` backend (its decode kernel, and its chunk kernel between row gathers and
 scatters, run by PyPTO's CPU interpreter). One table of cases and one of errors serves all
-three; PyPTO takes head dims 64 and 128 only, so its cases run at K=64, V=128 (K != V: a
+three; PyPTO takes head dims 64, 128 and 256 only, so its cases run at K=64, V=128 (K != V: a
 transposed state cannot pass), and the interpreter takes seconds a call, so most of them are
 slow-marked.
 """
@@ -36,7 +36,7 @@ FIELDS = ("q", "k", "v", "g", "beta")
 #: Backends every pool test runs on.
 BACKENDS = ("cpu", "pypto", "torch")
 #: Head dims (K, V) of the pool tests on each backend: K != V, so a transposed state cannot
-#: pass; PyPTO's kernels take K, V in {64, 128}. The C++ step runs V in blocks of 32 columns,
+#: pass; PyPTO's kernels take K, V in {64, 128, 256}. The C++ step runs V in blocks of 32 columns,
 #: each in vector registers where its width is a multiple of the vector's: V = 56 gives a
 #: block of 32 and one of 24 (three AVX2 registers; the scalar loop under AVX-512).
 DIMS = {"torch": (8, 6), "cpu": (8, 56), "pypto": (64, 128)}

@@ -228,6 +228,9 @@ SLOW_CASES = {
                                          head_v_dim=128, with_initial_state=True),
     "l64_K128_V64_gva_1to2": Case([90, 40], 64, num_qk_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=64,
                                   with_initial_state=True),
+    "l64_K256_V256_gva_1to2": Case([70, 33], 64, num_qk_heads=1, num_v_heads=2, head_k_dim=256, head_v_dim=256,
+                                   with_initial_state=True),
+    "l128_K256_V128": Case([200], 128, head_k_dim=256, head_v_dim=128, with_initial_state=True),
 }
 
 
@@ -247,6 +250,8 @@ ACTIVATION_CASES = {
     "gate_without_dt_bias_T128": Case([128], 64, activations=(True, False, False, False)),
     "beta_sigmoid_T100_gva_2to4_initial_state": Case(
         [100], 64, num_qk_heads=2, num_v_heads=4, with_initial_state=True, activations=(False, False, True, False)),
+    "all_K64_V256_varlen_40_25": Case([40, 25], 64, head_k_dim=64, head_v_dim=256, with_initial_state=True,
+                                      activations=(True, True, True, True)),
 }
 
 

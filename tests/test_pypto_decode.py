@@ -324,7 +324,8 @@ def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["k128_v64_fp16_pool", "v_first_padded", "width8_k128", "fp16_inputs",
-                                  "bf16_pool_k128_speculative", "bf16_pool_k128_grouped_heads"])
+                                  "bf16_pool_k128_speculative", "bf16_pool_k128_grouped_heads", "k256_v256_speculative",
+                                  "bf16_pool_k256_v64_gated", "v_first_k128_v256"])
 def test_more_configurations(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Configurations the default cases leave out. The bf16 pools at K = 128: the row read
     in one copy and cast block by block (two 64-row blocks), stored rounded after every
@@ -341,6 +342,13 @@ def test_more_configurations(case: str, monkeypatch: pytest.MonkeyPatch) -> None
     elif case == "bf16_pool_k128_speculative":
         run_case([2, 1], 2, [2, 1], dk=128, dv=128, pool_dtype=torch.bfloat16, rows=[[4, 6], [5, -1]],
                  nan_rows=(0,), seed=5)
+    elif case == "k256_v256_speculative":
+        run_case([3, 2], 3, [2, 3], dk=256, dv=256, rows=[[4, 6, -1], [1, -1, 9]], nan_rows=(0,))
+    elif case == "bf16_pool_k256_v64_gated":
+        run_case([2, 1], 2, [2, 1], dk=256, dv=64, pool_dtype=torch.bfloat16, rows=[[4, 6], [5, -1]], seed=7,
+                 gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True))
+    elif case == "v_first_k128_v256":
+        run_case([1, 2], 2, [1, 2], dk=128, dv=256, v_first=True, pad=3)
     elif case == "bf16_pool_k128_grouped_heads":
         from torch_gdr.ops.pypto import kernel_decode
 

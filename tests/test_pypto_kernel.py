@@ -173,6 +173,25 @@ def test_several_value_heads_per_loop_body(body_heads: int, gated: bool, monkeyp
 
 
 @pytest.mark.slow
+def test_head_dims_256_in_bodies_of_several_value_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = V = 256 in bodies of four value heads with fla's activations in the kernel: the
+    merged vector work in 64-row tiles, the ``[I | 0]`` block written in row slices and the
+    products staged in 128-deep L1 tiles (what fits a 910B core at this size); a middle and
+    a tail chunk at kernel chunk 128, GVA, an initial state."""
+    monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
+    monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (4,))
+    kernel_cache.cache_clear()
+    try:
+        inputs = make_inputs([150, 40], num_qk_heads=2, num_v_heads=8, head_k_dim=256, head_v_dim=256,
+                             with_initial_state=True, seed=4)
+        raw, gating, activated = with_raw_activations(inputs, seed=4)
+        assert_close_to_reference(raw, chunk_size=128, use_qk_l2norm=True, gating=gating, reference_inputs=activated)
+        assert [key.head_k_dim for key in kernel_cache.cache_info().keys] == [256]
+    finally:
+        kernel_cache.cache_clear()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_inputs_in_bodies_of_several_value_heads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Half q, k, v in bodies of four value heads (the saturating launches' path, which reads
@@ -201,7 +220,8 @@ def test_half_inputs_read_by_the_kernel(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_k_dim, head_v_dim", [(64, 128), (128, 64)], ids=["K64_V128", "K128_V64"])
+@pytest.mark.parametrize("head_k_dim, head_v_dim", [(64, 128), (128, 64), (256, 256), (256, 64), (128, 256)],
+                         ids=["K64_V128", "K128_V64", "K256_V256", "K256_V64", "K128_V256"])
 def test_unequal_head_dims_float32(head_k_dim: int, head_v_dim: int) -> None:
     """K != V in float32 through the public call: packed uneven sequences (one shorter than a
     chunk), two value heads per key head, an initial state; o and the final state. (The

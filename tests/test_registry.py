@@ -42,10 +42,8 @@ NAMED_REFUSALS = {
     "cpu_checkpoints": ("cpu", {}, "checkpoints", CpuBackendError, r"no checkpoints"),
     "fla_on_cpu": ("fla", {}, "chunk", FlaBackendError, r"cuda tensors, not on 'cpu'"),
     "pypto_head_dim": ("pypto", dict(head_k_dim=32, head_v_dim=32), "chunk", PyptoBackendError, r"head dims"),
-    "pypto_head_dim_256": ("pypto", dict(head_k_dim=256, head_v_dim=256), "chunk", PyptoBackendError,
-                           r"K = 256, V = 256: head dims above 128 do not fit the PyPTO kernels' on-chip buffers"),
-    "pypto_head_v_dim_256": ("pypto", dict(head_k_dim=128, head_v_dim=256), "step", PyptoBackendError,
-                             r"V = 256: head dims above 128 do not fit .* 192 KiB unified buffer"),
+    "pypto_head_v_dim_96": ("pypto", dict(head_k_dim=256, head_v_dim=96), "step", PyptoBackendError,
+                            r"head dims K, V in \[64, 128, 256\], got K = 256, V = 96"),
     "recurrent_checkpoints": ("recurrent", {}, "checkpoints", BackendError, r"no checkpoints"),
 }
 
@@ -220,7 +218,7 @@ def test_pool_steps_only_on_backends_that_have_one(backend: str, error: type) ->
 
 
 def test_pypto_pool_step_refuses_head_dims_its_kernel_lacks() -> None:
-    """"pypto" has a pool step (its decode kernel), for K and V in 64 or 128 only."""
+    """"pypto" has a pool step (its decode kernel), for K and V in 64, 128 or 256 only."""
     x = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16,
                     dtype=torch.float32)
     pool = torch.zeros(4, 2, 16, 16)

@@ -23,10 +23,6 @@ def _pypto_installed() -> bool:
     return _env.is_pypto_available()
 
 
-#: Head dims above this do not fit the kernels' on-chip buffers (see :func:`_reasons`).
-LARGEST_HEAD_DIM_ON_CHIP = 128
-
-
 def _reasons(call: CallSpec) -> list[Reason]:
     if not _pypto_installed():
         return [Reason("pypto is not installed (pip install 'torch_gdr[npu]', which brings pypto==0.2.0)",
@@ -35,14 +31,6 @@ def _reasons(call: CallSpec) -> list[Reason]:
     if call.entry == "pool_step" and call.tokens_per_sequence > spec.MAX_STEP_TOKENS:
         reasons.append(Reason(f"the PyPTO decode kernel takes at most {spec.MAX_STEP_TOKENS} tokens per sequence "
                               f"in a step (ssm_state_indices [N, S]), got S = {call.tokens_per_sequence}"))
-    if max(call.head_k_dim, call.head_v_dim) > LARGEST_HEAD_DIM_ON_CHIP:
-        # Tried at K = V = 256 in pypto 0.2.0's compiler (910B model): the forward's [I | 0]
-        # block (512 KiB in one copy) and its merged vector tasks exceed the 192 KiB unified
-        # buffer ("exceeds MEM_UB", "not enough memory"); with both split up it compiles, but
-        # pypto's cost model then fails to simulate it (ParseInput BuildFunction), so no cycles.
-        reasons.append(Reason(f"K = {call.head_k_dim}, V = {call.head_v_dim}: head dims above "
-                              f"{LARGEST_HEAD_DIM_ON_CHIP} do not fit the PyPTO kernels' on-chip buffers (a 192 KiB "
-                              f"unified buffer per vector core on the 910B)"))
     return reasons
 
 

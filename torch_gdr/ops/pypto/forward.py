@@ -18,7 +18,7 @@ from torch_gdr._validate import check_inputs, read_cu_seqlens
 from . import interpreter
 from . import kernel as _kernel
 from .kernel import augmented_state, chunk_masks, chunk_offsets, eye_pad, kernel_chunk_size, ticket_scratch, \
-    time_windows
+    ticket_width, time_windows
 from .kernel_cache import get_gdr_kernel
 from .kernel_gating import gate_params
 
@@ -165,7 +165,7 @@ def launch_forward(
     if initial_state is not None:
         state_out.copy_(initial_state)
     windows = time_windows(cu_seqlens, kernel_chunk, _kernel.WINDOW_CHUNKS)
-    ticket = ticket_scratch(num_seqs * num_v_heads, kernel_chunk, device)
+    ticket = ticket_scratch(num_seqs * num_v_heads, kernel_chunk, device, width=ticket_width(head_k_dim, head_v_dim))
     for window in windows:
         leaving = torch.zeros_like(state_out)
         args = [

@@ -40,7 +40,8 @@ chunk_states     ``[C*HV*K, V]`` fp32       the state entering each chunk ``[C, 
                                             key-first, row ``chunk_offsets[n] + c`` for
                                             chunk c of sequence n (``[1, 1]`` and never
                                             written when ``output_chunk_states`` is False)
-ticket           ``[N*HV*l, 128]`` fp32     zeros, see :func:`ticket_scratch`: every chunk
+ticket           ``[N*HV*l, W]`` fp32       zeros, ``W`` from :func:`ticket_width`, see
+                                            :func:`ticket_scratch`: every chunk
                                             but the window's first adds it to its q, k, v
                                             and g, and its key read writes zeros back, so
                                             chunk c's reads wait for chunk c - 1's
@@ -114,7 +115,9 @@ as one chain (see :func:`_unit_plus`).
 Tile shapes fit an Ascend 910B core: cube L0 tiles of 128 x 128 (fp32: 64 KiB per operand
 in L0A/L0B, L0C 128 KiB), L1 tiles up to 256 along K; vector tiles of 128 x 128 fp32
 (64 KiB) for the chunk's work, 64 rows for the strided reads and writes (the unified
-buffer holds 192 KiB).
+buffer holds 192 KiB). At K or V = 256 the products stage 128-deep L1 tiles (256-deep
+ones of several 256-wide operands overflow L1's 512 KiB), the ``[I | 0]`` block is written
+in row slices, and a body of several value heads runs its vector work in 64-row tiles.
 
 What bounds it in pypto 0.2.0's cost model (bench/RESULTS.md has the figures): with many
 chunks in flight, the scheduler's cost per task (its CPUs poll the cores nearly all the
@@ -299,15 +302,22 @@ def augmented_state(initial_state: torch.Tensor | None, num_seqs: int, num_v_hea
     return out.view(-1, head_v_dim)
 
 
-def ticket_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The kernel's ``ticket`` scratch, zeros ``[N * HV * l, 128]`` fp32 (it stays zero).
+def ticket_width(head_k_dim: int, head_v_dim: int) -> int:
+    """Columns of the ``ticket`` scratch: the widest read it orders (at least 128)."""
+    return max(128, head_k_dim, head_v_dim)
+
+
+def ticket_scratch(num_pairs: int, chunk_size: int, device: torch.device | str = "cpu", *,
+                   width: int = 128) -> torch.Tensor:
+    """The kernel's ``ticket`` scratch, zeros ``[N * HV * l, width]`` fp32 (it stays zero),
+    ``width`` from :func:`ticket_width`.
 
     Every chunk but a window's first adds the pair's block to its reads and its key read
     writes zeros back to it, so the reads of chunk c depend on those of chunk c - 1: a
     sequence's chunks enter the scheduler's queue in order instead of all at once. (The
     chunk's g is ordered after its own key read, which is as early.) A non-finite key makes
     the rest of the pair's tile non-finite, as it does the state."""
-    return torch.zeros(num_pairs * chunk_size, 128, device=device)
+    return torch.zeros(num_pairs * chunk_size, width, device=device)
 
 
 def validate_kernel_config(
@@ -444,6 +454,24 @@ def one_vector_task(scope: int) -> Iterator[None]:
         pypto.set_pass_options(sg_set_scope=-1)
 
 
+#: Most bytes one copy of the constant ``[I | 0]`` block moves through the unified buffer
+#: (192 KiB on the 910B, shared with the task's other tiles): above it the block goes in
+#: row slices (K = 256: ``[256, K + V]`` fp32 is 384-512 KiB).
+_EYE_PAD_COPY_BYTES = 128 * 1024
+
+
+def _write_eye_pad(y_stacked: Any, eye_pad_t: Any, row0: int) -> None:
+    """Write ``eye_pad_t`` ``[K, K + V]`` into rows ``row0 .. row0 + K`` of ``y_stacked``: one
+    copy where it fits :data:`_EYE_PAD_COPY_BYTES`, otherwise slices of rows."""
+    pypto = import_pypto()
+    rows, cols = eye_pad_t.shape
+    slice_rows = rows
+    while slice_rows * cols * 4 > _EYE_PAD_COPY_BYTES and slice_rows % 2 == 0:
+        slice_rows //= 2
+    for r in range(0, rows, slice_rows):
+        y_stacked[row0 + r:row0 + r + slice_rows, 0:cols] = pypto.view(eye_pad_t, [slice_rows, cols], [r, 0])
+
+
 def _chunk_terms(
     q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
     use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any, merged: bool,
@@ -498,7 +526,7 @@ def _chunk_terms(
     # write.)
     y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
-    y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
+    _write_eye_pad(y_stacked, eye_pad_t, chunk_size)
     mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
     qo = pypto.matmul(lhs_qo, y_stacked, fp32)  # [l, K + V]
     return mb, qo
@@ -531,7 +559,7 @@ def _chunk_terms_separate(
     eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
     y_stacked = pypto.tensor([chunk_size + head_k_dim, head_k_dim + head_v_dim], fp32)
     y_stacked[0:chunk_size, 0:head_k_dim + head_v_dim] = wu
-    y_stacked[chunk_size:chunk_size + head_k_dim, 0:head_k_dim + head_v_dim] = eye_pad_t
+    _write_eye_pad(y_stacked, eye_pad_t, chunk_size)
     lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
     mb = pypto.matmul(lhs_mb, y_stacked, fp32, a_trans=True)  # [K, K + V]
     lhs_qo = pypto.concat([qk, q * decay_in], dim=1)  # [l, l + K]
@@ -563,7 +591,7 @@ def build_gdr_kernel(
     Args:
         num_seqs: N, the number of sequences packed along T.
         num_qk_heads: H. num_v_heads: HV, a multiple of H.
-        head_k_dim, head_v_dim: K and V, each 64 or 128.
+        head_k_dim, head_v_dim: K and V, each 64, 128 or 256.
         chunk_size: l, 32, 64 or 128 (see :func:`kernel_chunk_size`).
         use_qk_l2norm: l2-normalise q and k per token before use.
         scale: factor applied to q (after the norm).
@@ -603,8 +631,12 @@ def build_gdr_kernel(
     dk, dv = head_k_dim, head_v_dim
     state_in_shape = [num_pairs * (dk + dv), dv]
     chunk_states_shape = [chunk_rows, dv] if output_chunk_states else [1, 1]
-    vec_rows = min(l, 128)  # the chunk's two-dimensional work
+    # the chunk's two-dimensional work; K or V = 256 in a body of several heads: the merged
+    # vector tasks' 128-row tiles exceed the unified buffer
+    vec_rows = min(l, 64 if max(dk, dv) > 128 and body_heads > 1 else 128)
     io_rows = min(l, 64)  # reads of the inputs
+    ticket_cols = ticket_width(dk, dv)
+    cube_l1_k = 256 if max(dk, dv) <= 128 else 128  # L1 holds 512 KiB: K = 256 products stage 128-deep tiles
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
     def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool,
@@ -764,11 +796,11 @@ def build_gdr_kernel(
         o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
         chunk_states: pypto.Tensor(chunk_states_shape, fp32),
-        ticket: pypto.Tensor([num_pairs * l, 128], fp32),
+        ticket: pypto.Tensor([num_pairs * l, ticket_cols], fp32),
     ):
         # L0 tiles 128 x 128 (64 KiB fp32 per operand); L1 holds 256 along K, so the
         # [S; I] products (K + V = 256) load their operands once.
-        pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
+        pypto.set_cube_tile_shapes([128, 128], [128, cube_l1_k], [128, 128])
 
         for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = (body * body_heads) // num_v_heads
@@ -784,7 +816,7 @@ def build_gdr_kernel(
                 pair = body * body_heads + j
                 heads.append(pair % num_v_heads)
                 states.append(pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0]))
-                tickets.append(pypto.view(ticket, [l, 128], [pair * l, 0]))
+                tickets.append(pypto.view(ticket, [l, ticket_cols], [pair * l, 0]))
             outputs = [o, state_out, chunk_states]
             for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
                 chunk = window[0] + step
@@ -824,9 +856,9 @@ def build_gdr_kernel(
         o: pypto.Tensor([tokens, num_v_heads * dv], fp32),
         state_out: pypto.Tensor([num_pairs * dk, dv], fp32),
         chunk_states: pypto.Tensor(chunk_states_shape, fp32),
-        ticket: pypto.Tensor([num_pairs * l, 128], fp32),
+        ticket: pypto.Tensor([num_pairs * l, ticket_cols], fp32),
     ):
-        pypto.set_cube_tile_shapes([128, 128], [128, 256], [128, 128])
+        pypto.set_cube_tile_shapes([128, 128], [128, cube_l1_k], [128, 128])
 
         for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = (body * body_heads) // num_v_heads
@@ -838,7 +870,7 @@ def build_gdr_kernel(
                 pair = body * body_heads + j
                 heads.append(pair % num_v_heads)
                 states.append(pypto.view(state_in, [dk + dv, dv], [pair * (dk + dv), 0]))
-                tickets.append(pypto.view(ticket, [l, 128], [pair * l, 0]))
+                tickets.append(pypto.view(ticket, [l, ticket_cols], [pair * l, 0]))
             outputs = [o, state_out, chunk_states]
             for step in pypto.loop(window[seq + 1], name="LOOP_CHUNK", idx_name="step"):
                 chunk = window[0] + step

@@ -359,11 +359,11 @@ def build_gdr_bwd_kernel(
 
     Args:
         num_seqs: N. num_qk_heads: H. num_v_heads: HV, a multiple of H.
-        head_k_dim, head_v_dim: K and V, each 64 or 128.
+        head_k_dim, head_v_dim: K and V, each 64, 128 or 256.
         chunk_size: l, 32, 64 or 128; must be the chunk length of the ``chunk_states``.
         scale: the factor the forward applied to q.
         on_device: run mode NPU rather than SIM (CPU interpreter or cost model).
-        vec_rows: rows of the vector tiles (at most l).
+        vec_rows: rows of the vector tiles (at most l; 64 at most where K or V is 256).
         stitch_function_max_num: pypto runtime option (see the forward kernel).
         pass_options, runtime_options: further pypto options of the jit (tuning).
         gate_in_kernel: g is fla's raw gate; the kernel takes ``gate_params [2, HV]`` after
@@ -388,7 +388,8 @@ def build_gdr_bwd_kernel(
     d_state_shape = [num_seqs, num_v_heads, head_k_dim + head_v_dim, head_v_dim]
     l = chunk_size  # noqa: E741  (the spec's name for the chunk length)
     dk, dv = head_k_dim, head_v_dim
-    rows_v = min(l, vec_rows)
+    # K or V = 256: 64-row vector tiles (with 128 rows pypto 0.2.0's cost model fails to simulate the kernel)
+    rows_v = min(l, vec_rows if max(head_k_dim, head_v_dim) <= 128 else 64)
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
     runtime = {"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num, **(runtime_options or {})}

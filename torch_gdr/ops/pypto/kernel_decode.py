@@ -155,7 +155,7 @@ def build_decode_kernel(
     Args:
         batch_bucket: B, the sequences of a launch (the host pads a smaller batch).
         num_qk_heads: H. num_v_heads: HV, a multiple of H.
-        head_k_dim, head_v_dim: K and V, each 64 or 128.
+        head_k_dim, head_v_dim: K and V, each 64, 128 or 256.
         tokens_per_seq: S, tokens of every sequence (1..8; shorter sequences are padded by
             the host with tokens whose write rows are -1).
         use_qk_l2norm: l2-normalise q and k per token before use.

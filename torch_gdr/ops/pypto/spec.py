@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 #: Head dims K and V the kernels are written and tested for.
-HEAD_DIMS: tuple[int, ...] = (64, 128)
+HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 #: Chunk lengths the kernels offer, smallest first.
 CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Input dtypes the kernels take (they compute in float32).

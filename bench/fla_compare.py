@@ -4,7 +4,8 @@ Sections, each returning printable lines:
 
 - :func:`check_adapter`: torch_gdr's raw adapter (``torch_gdr.ops.fla``: fla's internal
   forward/backward) against fla's public ``chunk_gated_delta_rule`` (outputs, final state,
-  every gradient) and fla's fused recurrent against torch_gdr's step;
+  every gradient; also with fla's activations in the kernels) and fla's fused recurrent
+  against torch_gdr's step;
 - :func:`time_against_fla`: forward and forward + backward at 1 x 32768 and 8 x 4096
   (H16/HV32, K = V = 128, bf16), fla's public call vs torch_gdr's default backend; decode
   (one token, B = 1 and 64) fla's fused recurrent vs torch_gdr's step and the chunked op;
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import torch_gdr
 import torch_gdr.ops.fla as fla_backend
+from torch_gdr._gating import Gating
 
 # (B, T, H, HV, K = V)
 CHUNK_SHAPES = {"1x32768 h16/32": (1, 32768, 16, 32, 128), "8x4096 h16/32": (8, 4096, 16, 32, 128)}
@@ -67,9 +69,21 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((ref - out).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _raw_gating(num_v_heads: int, device: str, x: dict, gen: torch.Generator) -> dict:
+    """fla's activation arguments, all on (raw gate, A_log, dt_bias, beta logits, neg eigvals),
+    with ``x``'s g and beta replaced by raw values in place."""
+    x["g"] = (2.0 * torch.randn(x["g"].shape, generator=gen)).to(device, x["g"].dtype)
+    x["beta"] = (2.0 * torch.randn(x["beta"].shape, generator=gen)).to(device, x["beta"].dtype)
+    a_log = torch.empty(num_v_heads).uniform_(0.05, 2.0, generator=gen).log()
+    return dict(use_gate_in_kernel=True, A_log=a_log.to(device), dt_bias=torch.randn(num_v_heads, generator=gen).to(device),
+                use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+
+
 def check_adapter(device: str, bound: float = 2e-3, seq_lens: tuple = (300, 1, 399), heads: tuple = (4, 8),
-                  dim: int = 128, decode_batch: int = 64) -> list[str]:
-    """The adapter's forward + backward against fla's public call, and the two steps."""
+                  dim: int = 128, decode_batch: int = 64, gated: bool = False) -> list[str]:
+    """The adapter's forward + backward against fla's public call, and the two steps;
+    ``gated``: with fla's activation arguments (raw gate, A_log, dt_bias, beta logits), whose
+    gradients are compared too."""
     chunk, fused, reason = fla_public()
     if chunk is None:
         return [f"fla adapter: skipped ({reason})"]
@@ -80,20 +94,32 @@ def check_adapter(device: str, bound: float = 2e-3, seq_lens: tuple = (300, 1, 3
     gen = torch.Generator().manual_seed(4)
     do = torch.randn(x["v"].shape, generator=gen).to(device, torch.bfloat16)
     dht = torch.randn(x["initial_state"].shape, generator=gen).to(device)
+    gating = _raw_gating(heads[1], device, x, gen) if gated else {}
+    params = {n: t for n, t in gating.items() if isinstance(t, torch.Tensor)}
 
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    o_ref, s_ref = chunk(**leaves, scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    ref_grads = torch.autograd.grad((o_ref.float() * do.float()).sum() + (s_ref * dht).sum(), list(leaves.values()))
+    param_leaves = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    label = "bf16, varlen" + (", fla's activations" if gated else "")
+    try:
+        o_ref, s_ref = chunk(**leaves, scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             cu_seqlens=cu, **dict(gating, **param_leaves))
+        ref_grads = torch.autograd.grad((o_ref.float() * do.float()).sum() + (s_ref * dht).sum(),
+                                        list(leaves.values()) + list(param_leaves.values()))
+    except RuntimeError as exc:  # e.g. fla's gated backward refused on Hopper with Triton < 3.7.1
+        return [f"fla adapter ({label}): skipped, fla's public call raised {str(exc).splitlines()[0][:200]}"]
 
     o, s, *saved = fla_backend.fla_chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"],
-                                             True, True, cu, 64)
+                                             True, True, cu, 64, Gating(**gating))
     grads = fla_backend.fla_chunk_bwd(do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], *saved, scale,
-                                      x["initial_state"], True, cu, 64)
+                                      x["initial_state"], True, cu, 64, Gating(**gating))
+    grads = list(grads[:5]) + [grads[5]] + [d for d in grads[6:] if d is not None]
     errs = {"o": rel_err(o_ref, o), "state": rel_err(s_ref, s)}
-    errs.update({f"d{n}": rel_err(r, g) for n, r, g in zip(x, ref_grads, grads)})
+    errs.update({f"d{n}": rel_err(r, g) for n, r, g in zip(list(x) + list(params), ref_grads, grads)})
     worst = max(errs.values())
-    lines = [f"fla adapter vs fla's chunk_gated_delta_rule (bf16, varlen): worst rel err {worst:.1e} "
+    lines = [f"fla adapter vs fla's chunk_gated_delta_rule ({label}): worst rel err {worst:.1e} "
              f"{'OK' if worst < bound else 'FAIL'}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())]
+    if gated:
+        return lines
 
     d = make_inputs(decode_batch, 1, *heads, dim, torch.bfloat16, device, seed=5, with_state=True)
     o_fla, s_fla = fused(d["q"], d["k"], d["v"], g=d["g"], beta=d["beta"], initial_state=d["initial_state"],

@@ -202,6 +202,7 @@ def main() -> int:
         correctness += check_correctness(device)
     if "fla" in sections:
         correctness += fla_compare.check_adapter(device, **small)
+        correctness += fla_compare.check_adapter(device, **small, gated=True)
     print("\n".join(correctness), flush=True)
     if "compile" in sections and fla_compare.fla_public()[0] is not None:
         correctness += fla_compare.check_compile(device)

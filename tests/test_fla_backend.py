@@ -274,6 +274,9 @@ def test_gpu_check_fla_section_runs_with_the_standin(standin, monkeypatch) -> No
     # fla's (like the adapter) from the rounded one: dq, dk differ at bf16's rounding
     lines = fla_compare.check_adapter("cpu", bound=1e-2, seq_lens=(20, 1, 9), heads=(1, 2), dim=8, decode_batch=3)
     assert len(lines) == 2 and all(" OK: " in line for line in lines), lines
+    lines = fla_compare.check_adapter("cpu", bound=1e-2, seq_lens=(20, 1, 9), heads=(1, 2), dim=8, decode_batch=3,
+                                      gated=True)
+    assert len(lines) == 1 and " OK: " in lines[0] and "dA_log" in lines[0] and "ddt_bias" in lines[0], lines
     lines = fla_compare.time_against_fla("cpu", lambda fn: (fn(), 1.0)[1], {"tiny": (1, 20, 1, 2, 8)}, (2,),
                                          (1, 2, 8))
     assert sum("1.00x" in line for line in lines) == 4, lines  # fwd, fwd+bwd, two decode rows: all timed
@@ -312,6 +315,75 @@ def test_fla_backend_ops_through_the_public_call(standin, any_device, use_l2norm
     torch.library.opcheck(torch.ops.gdr._fla_bwd.default,
                           (grad_o, dht) + args + (None, inputs["initial_state"], use_l2norm,
                                                   inputs.get("cu_seqlens"), 16, False, saved))
+
+
+#: fla's activation arguments: (use_gate_in_kernel, with dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+ACTIVATIONS = {
+    "all": (True, True, True, True),
+    "gate_without_dt_bias": (True, False, False, False),
+    "beta_sigmoid_only": (False, False, True, False),
+}
+
+
+def _raw_activations(inputs: dict, num_v_heads: int, activations: tuple) -> dict:
+    """The call's raw gate, beta logits, A_log and dt_bias and flags; one raw gate of 100
+    (past softplus's threshold and float32's exp range)."""
+    use_gate, with_bias, use_sigmoid, neg_eigval = activations
+    gen = torch.Generator().manual_seed(11)
+    kwargs = dict(use_beta_sigmoid_in_kernel=use_sigmoid, allow_neg_eigval=neg_eigval)
+    if use_gate:
+        inputs["g"] = 2.0 * torch.randn(inputs["g"].shape, generator=gen)
+        inputs["g"].view(-1)[0] = 100.0
+        kwargs.update(use_gate_in_kernel=True, A_log=torch.empty(num_v_heads).uniform_(0.05, 2.0, generator=gen).log(),
+                      dt_bias=torch.randn(num_v_heads, generator=gen) if with_bias else None)
+    if use_sigmoid:
+        inputs["beta"] = 2.0 * torch.randn(inputs["beta"].shape, generator=gen)
+    return kwargs
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+@pytest.mark.parametrize("case", list(ACTIVATIONS))
+def test_fla_backend_hands_the_activations_to_fla(standin, any_device, case: str, varlen: bool) -> None:
+    """backend="fla" with fla's activation arguments: the raw gate, A_log and dt_bias reach
+    fla's forward and backward kernels (which apply them, as fla's own function does), the
+    beta logits fla's fused sigmoid kernels; o, the final state and every gradient (raw gate,
+    logits, A_log, dt_bias included) as the "torch" backend's, which applies them in torch;
+    the step likewise through fla's fused-recurrent kernel."""
+    spec = dict(seqlens=[20, 0, 37]) if varlen else dict(batch_size=2, seq_len=33)
+    inputs = make_inputs(**spec, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16, dtype=torch.float32,
+                         with_initial_state=True)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    gating = _raw_activations(inputs, 2, ACTIVATIONS[case])
+    results = {}
+    for backend in ("torch", "fla"):
+        leaves = {n: (t.clone().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+        params = {n: (t.clone().requires_grad_() if isinstance(t, torch.Tensor) else t) for n, t in gating.items()}
+        standin.calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            o, s = torch_gdr.chunk_gated_delta_rule(**leaves, **params, output_final_state=True, chunk_size=16,
+                                                    use_qk_l2norm_in_kernel=True, backend=backend)
+            (o.sin().sum() + s.square().sum()).backward()
+        results[backend] = [o, s] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")] + [
+            params[n].grad for n in ("A_log", "dt_bias") if isinstance(params.get(n), torch.Tensor)]
+        if backend == "fla":
+            use_gate, _, use_sigmoid, _ = ACTIVATIONS[case]
+            assert ("fwd gate in kernel" in standin.calls) == use_gate
+            assert ("bwd gate in kernel" in standin.calls) == use_gate
+            assert ("beta sigmoid" in standin.calls) == use_sigmoid
+            assert ("beta sigmoid bwd" in standin.calls) == use_sigmoid
+    assert len(results["fla"]) == len(results["torch"])
+    for got, want in zip(results["fla"], results["torch"]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
+    step = {n: inputs[n][:, :1] if not varlen else inputs[n] for n in ("q", "k", "v", "g", "beta")}
+    cu_seqlens = inputs.get("cu_seqlens")
+    outs = [torch_gdr.fused_recurrent_gated_delta_rule(**step, initial_state=inputs["initial_state"],
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                       cu_seqlens=cu_seqlens, backend=backend, **gating)
+            for backend in ("torch", "fla")]
+    assert ("fused_recurrent gate in kernel" in standin.calls) == ACTIVATIONS[case][0]
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "default"])

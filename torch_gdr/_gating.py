@@ -144,6 +144,12 @@ def apply_gating(g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log: Op
     return g, beta
 
 
+def gating_of(call: "GdrCall") -> Gating:
+    """fla's activation arguments of ``call``, as kernels that apply them take them."""
+    return Gating(call.use_gate_in_kernel, call.A_log, call.dt_bias, call.use_beta_sigmoid_in_kernel,
+                  call.allow_neg_eigval)
+
+
 def activate_call(call: "GdrCall") -> "GdrCall":
     """``call`` with its g and beta activated where its flags ask (:func:`apply_gating`) and
     the flags cleared: the call a backend without in-kernel activations computes. Plain

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from torch_gdr._gating import Gating
+from torch_gdr._gating import Gating, gating_of
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op, define_step_op
 from torch_gdr.ops.cpu import kernels
@@ -37,19 +37,15 @@ def _forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Op
 
 def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     return kernels.chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states, _gating(call))
+                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states, gating_of(call))
 
-
-def _gating(call: GdrCall) -> Gating:
-    return Gating(call.use_gate_in_kernel, call.A_log, call.dt_bias, call.use_beta_sigmoid_in_kernel,
-                  call.allow_neg_eigval)
 
 
 def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor], chunk_states: Optional[Tensor],
               strict: bool) -> tuple[Optional[Tensor], ...]:
     return kernels.chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, call.scale,
                              call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, chunk_states,
-                             _gating(call))
+                             gating_of(call))
 
 
 def _states_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size: int,
@@ -85,4 +81,4 @@ cpu_step_op = define_step_op("gdr::_cpu_step", _step)
 def cpu_step(call: GdrCall) -> tuple[Tensor, Tensor]:
     """The step entry on a checked call in the canonical layout."""
     return cpu_step_op(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                       call.use_qk_l2norm, call.cu_seqlens, *_gating(call))
+                       call.use_qk_l2norm, call.cu_seqlens, *gating_of(call))

@@ -22,6 +22,13 @@ saved              shape                   dtype
 ``k_rstd``         ``[B, T, H]``           float32, likewise for k
 =================  ======================  ===========================================
 
+fla's activations run in fla's kernels, as fla's own ``chunk_gated_delta_rule`` runs them
+(:class:`~torch_gdr._gating.Gating`): with ``use_gate_in_kernel`` g is the raw gate, which
+fla's chunk cumsum kernel activates (``-exp(A_log) softplus(g + dt_bias)``) and its backward
+differentiates (the raw gate's gradient, ``dA_log``, ``ddt_bias``); with
+``use_beta_sigmoid_in_kernel`` beta holds logits, through fla's fused sigmoid kernels (times 2
+with ``allow_neg_eigval``) before the forward and after the backward.
+
 fla's refusals (for example its ``RuntimeError`` for the gated backward on Hopper GPUs
 with Triton >= 3.4.0, < 3.7.1) and failures surface as :class:`FlaRefusal`, whose
 ``reason`` is a fallback reason for the dispatch policy (warn once and run the pure-torch
@@ -37,6 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
+from torch_gdr._gating import Gating
 from torch_gdr.ops.fla._loader import TESTED_RANGE, load, reset, tilelang_installed
 
 Tensor = torch.Tensor
@@ -132,19 +140,39 @@ def _empty_rstd(q: Tensor) -> Tensor:
     return q.new_empty(0, dtype=torch.float32)
 
 
+def _beta_scale(gating: Gating) -> float:
+    return 2.0 if gating.allow_neg_eigval else 1.0
+
+
+def _activated_beta(fla, beta: Tensor, gating: Gating) -> Tensor:
+    """beta as fla's kernels take it: the logits through fla's fused sigmoid (float32) with
+    ``use_beta_sigmoid_in_kernel``, else as given."""
+    if not gating.use_beta_sigmoid_in_kernel:
+        return beta
+    return _call("beta sigmoid", fla.fused_beta_sigmoid_fwd, fla.version, x=beta, scale=_beta_scale(gating))
+
+
+def _gate_kwargs(gating: Gating) -> dict:
+    return dict(use_gate_in_kernel=gating.use_gate_in_kernel, A_log=gating.A_log, dt_bias=gating.dt_bias)
+
+
 def fla_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                   initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                  cu_seqlens: Optional[Tensor], chunk_size: int
+                  cu_seqlens: Optional[Tensor], chunk_size: int, gating: Gating = Gating()
                   ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor, Tensor]:
     """fla's chunked forward in the canonical layout.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (one dtype: fp16, bf16 or fp32).
-        g, beta: ``[B, T, HV]``, raw per-token log decay and write strength.
+        g, beta: ``[B, T, HV]``, per-token log decay (the raw gate with
+            ``gating.use_gate_in_kernel``) and write strength (logits with
+            ``gating.use_beta_sigmoid_in_kernel``).
         scale: a float (the caller resolves None to ``K ** -0.5``).
         initial_state: key-first ``[N, HV, K, V]`` (any float dtype, used in float32) or None.
         cu_seqlens: ``[N + 1]`` int64 on the inputs' device, or None.
         chunk_size: ours; fla gets :func:`fla_chunk_size` of it.
+        gating: fla's activation arguments (``A_log``, ``dt_bias`` ``[HV]``), applied in
+            fla's kernels.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None,
@@ -167,28 +195,31 @@ def fla_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
             "chunk indices", fla.prepare_chunk_indices, fla.version, cu_seqlens=cu_seqlens, chunk_size=bt)
         g_cumsum, o, A, final_state, _, _ = _call(
             "chunked forward", fla.chunk_gated_delta_rule_fwd, fla.version,
-            q=q, k=k, v=v, g=g, beta=beta, scale=float(scale), initial_state=h0,
+            q=q, k=k, v=v, g=g, beta=_activated_beta(fla, beta, gating), scale=float(scale), initial_state=h0,
             output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_size=bt)
+            chunk_indices=chunk_indices, chunk_size=bt, **_gate_kwargs(gating))
     return o.to(v.dtype), final_state, g_cumsum, A, q_rstd, k_rstd
 
 
 def fla_chunk_bwd(grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                   g: Tensor, beta: Tensor, g_cumsum: Tensor, A: Tensor, q_rstd: Tensor, k_rstd: Tensor,
                   scale: float, initial_state: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
-                  cu_seqlens: Optional[Tensor], chunk_size: int
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+                  cu_seqlens: Optional[Tensor], chunk_size: int, gating: Gating = Gating()
+                  ) -> tuple[Optional[Tensor], ...]:
     """fla's chunked backward in the canonical layout.
 
     Args:
         grad_o: ``[B, T, HV, V]``; grad_final_state: ``[N, HV, K, V]`` or None.
         q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            chunk_size: the forward's arguments (raw q and k).
+            chunk_size, gating: the forward's arguments (raw q and k, g and beta as the
+            call gave them).
         g_cumsum, A, q_rstd, k_rstd: what :func:`fla_chunk_fwd` returned.
 
     Returns:
-        ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the dtypes of q, k, v, g, beta and
-        initial_state; ``d_initial_state`` is None without an initial state.
+        ``(dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias)`` in the dtypes of q, k,
+        v, g, beta, initial_state, A_log and dt_bias: the gradients of the inputs as given
+        (the raw gate's, the logits'); ``d_initial_state``, ``dA_log`` and ``ddt_bias`` are
+        None where the call has no such input.
 
     Raises:
         FlaRefusal: fla is missing or refused (e.g. the Hopper/Triton gated backward) or
@@ -206,25 +237,32 @@ def fla_chunk_bwd(grad_o: Tensor, grad_final_state: Optional[Tensor], q: Tensor,
     with _device(q):
         chunk_indices = None if cu_seqlens is None else _call(
             "chunk indices", fla.prepare_chunk_indices, fla.version, cu_seqlens=cu_seqlens, chunk_size=bt)
-        dq, dk, dv, dbeta, dg, dh0, _, _ = _call(
+        dq, dk, dv, dbeta, dg, dh0, d_a_log, d_dt_bias = _call(
             "chunked backward", fla.chunk_gated_delta_rule_bwd, fla.version,
-            q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=float(scale), initial_state=h0,
-            do=grad_o.to(v.dtype).contiguous(), dht=dht, state_v_first=False, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_size=bt)
+            q=q, k=k, v=v, g=g_cumsum, beta=_activated_beta(fla, beta, gating), A=A, scale=float(scale),
+            initial_state=h0, do=grad_o.to(v.dtype).contiguous(), dht=dht, state_v_first=False,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=bt,
+            g_input=g.contiguous() if gating.use_gate_in_kernel else None, **_gate_kwargs(gating))
         if use_qk_l2norm_in_kernel:
             dq = _call("l2norm backward", fla.l2norm_bwd, fla.version, y=q, rstd=q_rstd, dy=dq)
             dk = _call("l2norm backward", fla.l2norm_bwd, fla.version, y=k, rstd=k_rstd, dy=dk)
+        if gating.use_beta_sigmoid_in_kernel:
+            dbeta = _call("beta sigmoid backward", fla.fused_beta_sigmoid_bwd, fla.version, x=beta, dy=dbeta,
+                          scale=_beta_scale(gating))
     d_initial_state = None if initial_state is None or dh0 is None else dh0.to(initial_state.dtype)
+    d_a_log = None if gating.A_log is None or d_a_log is None else d_a_log.to(gating.A_log.dtype)
+    d_dt_bias = None if gating.dt_bias is None or d_dt_bias is None else d_dt_bias.to(gating.dt_bias.dtype)
     return (dq.to(q_in.dtype), dk.to(k_in.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-            d_initial_state)
+            d_initial_state, d_a_log, d_dt_bias)
 
 
 def fla_fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                             initial_state: Optional[Tensor], output_final_state: bool,
-                            use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor]
+                            use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], gating: Gating = Gating()
                             ) -> tuple[Tensor, Optional[Tensor]]:
     """fla's fused-recurrent kernel (forward only) in the canonical layout: arguments as
-    :func:`fla_chunk_fwd` (q/k and v may differ in dtype); returns ``(o in v's dtype,
+    :func:`fla_chunk_fwd` (q/k and v may differ in dtype; the kernel applies the activations
+    itself: a gate in the kernel is ``A_log`` given); returns ``(o in v's dtype,
     final_state float32 or None)``. Raises :class:`FlaRefusal`."""
     fla = _fla_or_refuse()
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -234,5 +272,8 @@ def fla_fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
             "fused-recurrent forward", fla.fused_recurrent_gated_delta_rule_fwd, fla.version,
             q=q, k=k, v=v, g=g, beta=beta, scale=float(scale), initial_state=h0,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            state_v_first=False, cu_seqlens=cu_seqlens)
+            state_v_first=False, cu_seqlens=cu_seqlens,
+            A_log=gating.A_log if gating.use_gate_in_kernel else None,
+            dt_bias=gating.dt_bias if gating.use_gate_in_kernel else None,
+            use_beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel, allow_neg_eigval=gating.allow_neg_eigval)
     return o.to(v.dtype), final_state

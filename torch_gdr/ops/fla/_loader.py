@@ -19,6 +19,7 @@ REQUIRED = {
     "fla.ops.gated_delta_rule.fused_recurrent": ("fused_recurrent_gated_delta_rule_fwd",),
     "fla.modules.norm.l2norm": ("l2norm_fwd", "l2norm_bwd"),
     "fla.ops.utils.index": ("prepare_chunk_indices",),
+    "fla.ops.common.gate": ("fused_beta_sigmoid_fwd", "fused_beta_sigmoid_bwd"),
 }
 
 _lock = threading.Lock()

@@ -74,4 +74,5 @@ BACKEND = Backend(
     warning=FlaFallbackWarning,
     description="fla-core's Triton kernels on CUDA tensors",
     extra_reasons=_reasons,
+    in_kernel_gating=frozenset({"step"}),  # fla's fused-recurrent kernel; the chunked ops say it themselves
 )

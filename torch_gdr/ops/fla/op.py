@@ -8,10 +8,12 @@ would not. Its size follows the shapes only, never the data. A refusal of fla's 
 that shows only when it runs (:class:`FlaRefusal`) falls back to the pure-torch backward
 on the same device, with one warning per reason (an error where the backend was named or
 with ``TORCH_GDR_STRICT=1``); dispatch predicts the refusals it can before the forward runs.
-``gdr::_fla_step`` runs fla's fused-recurrent kernel (inference only). fla's gate and beta
-activations reach fla's internal kernels already applied: the ops apply them in torch
-before them and the chain rule after (:mod:`torch_gdr._gating`, through
-:mod:`torch_gdr.ops._define`).
+``gdr::_fla_step`` runs fla's fused-recurrent kernel (inference only). All three take fla's
+activation arguments (``use_gate_in_kernel`` with ``A_log`` and ``dt_bias``,
+``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``) and hand them to fla's kernels, which
+apply them as fla's own functions do (:mod:`torch_gdr.ops.fla`); the backward returns the
+raw inputs' gradients and those of ``A_log`` and ``dt_bias``. Its pure-torch fallback
+applies them in torch (:func:`~torch_gdr.ops.torch.chunk_backward.raw_call_backward`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Optional
 import torch
 
 from torch_gdr._fallback import refuse_or_warn
+from torch_gdr._gating import Gating, gating_of
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op, define_step_op
-from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ops.torch.chunk_backward import raw_call_backward
 
 from . import FlaRefusal, fla_chunk_bwd, fla_chunk_fwd, fla_chunk_size, fla_fused_recurrent_fwd
 
@@ -54,7 +57,7 @@ def _packed_numel(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], chunk_size
 
 def _forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     o, final_state, *saved = fla_chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                                           True, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size)
+                                           True, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
     packed = torch.cat([t.reshape(-1).float() for t in saved]) if save_chunk_states else None
     return o, final_state, packed
 
@@ -71,30 +74,29 @@ def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
     try:
         if packed is None:  # nothing kept (the forward ran without save_chunk_states): fla's forward again
             _, _, *saved = fla_chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                                         False, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size)
+                                         False, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
         else:
             saved = _unpack(call, packed)
-        return fla_chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, *saved, call.scale,
-                             call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size)
+        grads = fla_chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, *saved, call.scale,
+                              call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
+        return grads if call.gated else grads[:6]
     except FlaRefusal as refusal:
         refuse_or_warn("fla", refusal.reason, named=strict, instead="the pure-torch backward")
-        return chunk_gated_delta_rule_bwd(call, grad_o, grad_final_state, None)
+        return raw_call_backward(call, grad_o, grad_final_state)
 
 
-fla_bwd = define_backward_op("gdr::_fla_bwd", _backward)
-fla_fwd = define_backend("fla", _forward, fla_bwd, _packed_numel)
+fla_bwd = define_backward_op("gdr::_fla_bwd", _backward, in_kernel_gating=True)
+fla_fwd = define_backend("fla", _forward, fla_bwd, _packed_numel, in_kernel_gating=True)
 
 
 def _step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
           use_qk_l2norm_in_kernel: bool, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool = False,
           A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
           allow_neg_eigval: bool = False) -> tuple[Tensor, Tensor]:
-    """fla's fused-recurrent step; dispatch hands it activated g and beta (the activation
-    arguments of the schema are then off: this backend's step has no in-kernel gating)."""
-    if use_gate_in_kernel or use_beta_sigmoid_in_kernel:
-        raise ValueError("gdr::_fla_step: expects activated g and beta (use_gate_in_kernel and "
-                         "use_beta_sigmoid_in_kernel False); dispatch activates them (torch_gdr._gating)")
-    return fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens)
+    """fla's fused-recurrent step, fla's activations in its kernel."""
+    gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return fla_fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens,
+                                   gating)
 
 
 fla_step_op = define_step_op("gdr::_fla_step", _step)
@@ -103,4 +105,4 @@ fla_step_op = define_step_op("gdr::_fla_step", _step)
 def fla_step(call: GdrCall) -> tuple[Tensor, Tensor]:
     """The step entry on a checked call in the canonical layout."""
     return fla_step_op(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                       call.use_qk_l2norm, call.cu_seqlens)
+                       call.use_qk_l2norm, call.cu_seqlens, *gating_of(call))

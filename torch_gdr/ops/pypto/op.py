@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from torch_gdr._fallback import failure_reason, refuse_or_warn
-from torch_gdr._gating import Gating, activate_call, gating_backward
+from torch_gdr._gating import gating_of
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops._define import define_backend, define_backward_op
-from torch_gdr.ops.torch.chunk_backward import chunk_gated_delta_rule_bwd
+from torch_gdr.ops.torch.chunk_backward import raw_call_backward
 from torch_gdr.ops.torch.nonfinite import contained
 
 from .backward import launch_backward
@@ -42,11 +42,6 @@ Tensor = torch.Tensor
 
 def _token_major(x: Tensor) -> Tensor:
     return x.flatten(0, 1)
-
-
-def _gating(call: GdrCall) -> Gating:
-    return Gating(call.use_gate_in_kernel, call.A_log, call.dt_bias, call.use_beta_sigmoid_in_kernel,
-                  call.allow_neg_eigval)
 
 
 def _packed(call: GdrCall) -> tuple[Tensor, int]:
@@ -77,7 +72,7 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
         _token_major(q), _token_major(k), _token_major(v), _token_major(g), _token_major(beta), cu_seqlens,
         None if call.initial_state is None else call.initial_state.float(),
         scale=call.scale, use_qk_l2norm_in_kernel=call.use_qk_l2norm, output_chunk_states=save_chunk_states,
-        gating=_gating(call))
+        gating=gating_of(call))
     return o.view(v.shape).to(v.dtype), final_state, chunk_states
 
 
@@ -96,17 +91,13 @@ def pypto_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Ten
         dq, dk, dv, dg, dbeta, d_initial, *d_heads = launch_backward(
             _token_major(grad_o), grad_final_state, _token_major(q), _token_major(k), _token_major(v),
             _token_major(g), _token_major(beta), cu_seqlens, call.initial_state, chunk_states, scale=call.scale,
-            use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size, gating=_gating(call))
+            use_qk_l2norm_in_kernel=call.use_qk_l2norm, chunk_size=chunk_size, gating=gating_of(call))
         return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape),
                 d_initial, *d_heads)
     except Exception as error:  # noqa: BLE001 - a kernel failing to build or run is a fallback reason
         reason = failure_reason("the backward kernel", error)
     refuse_or_warn("pypto", reason, named=strict, instead="the pure-torch backward")
-    grads = list(chunk_gated_delta_rule_bwd(activate_call(call), grad_o, grad_final_state, None))
-    if call.gated:  # the activations' chain rule, in torch
-        grads[3], grads[4], d_a_log, d_dt_bias = gating_backward(call, grads[3], grads[4])
-        grads += [d_a_log, d_dt_bias]
-    return tuple(grads)
+    return raw_call_backward(call, grad_o, grad_final_state)
 
 
 pypto_bwd = define_backward_op("gdr::_pypto_bwd", pypto_backward, in_kernel_gating=True)
@@ -128,5 +119,5 @@ def pypto_step(call: GdrCall) -> tuple[Tensor, Tensor]:
     kernel (raw g and beta where the call's flags say)."""
     o, final_state, _ = pypto_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, True,
                                   call.use_qk_l2norm, call.cu_seqlens, CHUNK_SIZES[0], False, False, False,
-                                  *_gating(call))
+                                  *gating_of(call))
     return o, final_state

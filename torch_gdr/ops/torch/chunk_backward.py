@@ -66,6 +66,7 @@ from typing import Optional
 
 import torch
 
+from torch_gdr._gating import activate_call, gating_backward
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops.torch.chunk_layout import ChunkLayout, Span, layout_for_call
 from torch_gdr.ops.torch.chunk_states import ChunkStates
@@ -126,6 +127,23 @@ def chunk_gated_delta_rule_bwd(
     if initial_state is not None:
         d_initial = layout.unsort_states(carry.view(initial_state.shape)).to(initial_state.dtype)
     return grads + (d_initial,)
+
+
+def raw_call_backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor]
+                      ) -> tuple[Optional[Tensor], ...]:
+    """:func:`chunk_gated_delta_rule_bwd` for a call that may hold raw g and beta (fla's
+    activation arguments, :mod:`torch_gdr._gating`): the activations in torch first, their
+    chain rule after. The fallback of a backend whose kernels apply the activations.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, d_initial_state)``, then ``(dA_log, ddt_bias)`` (each None
+        where absent) when the call is gated; dg and dbeta are the raw inputs' gradients.
+    """
+    grads = list(chunk_gated_delta_rule_bwd(activate_call(call), grad_o, grad_final_state, None))
+    if call.gated:
+        grads[3], grads[4], d_a_log, d_dt_bias = gating_backward(call, grads[3], grads[4])
+        grads += [d_a_log, d_dt_bias]
+    return tuple(grads)
 
 
 def _segment_backward(layout: ChunkLayout, seg: Segment, grad_o: Tensor, s_in: Tensor, d_states: Tensor,

@@ -88,7 +88,8 @@ def test_a_nonfinite_input_spreads_only_as_in_the_recurrence(case: str, backend:
 
 
 @pytest.mark.skipif(not is_pypto_available(), reason="pypto not installed")
-@pytest.mark.parametrize("case", ["v_nan", "k_inf", "g_nan"])
+@pytest.mark.parametrize("case", ["v_nan", pytest.param("k_inf", marks=pytest.mark.slow),
+                                  pytest.param("g_nan", marks=pytest.mark.slow)])
 def test_a_nonfinite_input_spreads_only_as_in_the_recurrence_pypto(case: str) -> None:
     """The PyPTO kernel (interpreter) under the same rule, at a head dim it takes."""
     name, index, value = NONFINITE[case]

@@ -248,7 +248,8 @@ def reference_chunk_states(inputs: dict, chunk_size: int, *, scale: float, use_q
     return torch.stack(states)
 
 
-@pytest.mark.parametrize("window_chunks", [None, 1], ids=["one_launch", "a_launch_per_chunk"])
+@pytest.mark.parametrize("window_chunks", [None, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=["one_launch", "a_launch_per_chunk"])
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["initial_state", "zero_state"])
 def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_state: bool, window_chunks: int | None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -500,6 +501,7 @@ def test_cost_model_cycles_within_budget_and_flat() -> None:
     assert 1 / 1.2 <= ratio <= 1.2, f"cycles per token, T=1024 / T=4096: {ratio:.3f}"
 
 
+@pytest.mark.slow
 def test_calls_that_differ_only_in_scale_l2norm_or_initial_state_each_match_the_reference() -> None:
     """Kernels are cached per configuration: a call that differs from the previous one only in
     ``scale``, ``use_qk_l2norm_in_kernel`` or whether it has an initial state must not run the

@@ -329,6 +329,35 @@ def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
     assert pypto_backward.bwd_cache_info() == pypto_backward.BwdCacheInfo(0, 0, (), 0)
 
 
+@pytest.mark.parametrize("activations", [(False, False, False, False), (True, True, True, True)],
+                         ids=["plain", "activations_in_kernel"])
+def test_heads_merged_into_shared_cube_tasks_keep_every_gradient(activations: tuple,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch with enough (sequence, value head) pairs runs its heads' identical cube work
+    in shared tasks (``kernel_bwd.default_pass_options``), forced here on a small launch:
+    every gradient still matches the recurrence, the gated kernel's included."""
+    from torch_gdr.ops.pypto import kernel_bwd
+
+    chosen = []
+
+    def recorded(num_seqs: int, num_v_heads: int) -> dict:
+        options = default_pass_options(num_seqs, num_v_heads)
+        chosen.append(options)
+        return options
+
+    default_pass_options = kernel_bwd.default_pass_options
+    monkeypatch.setattr(kernel_bwd, "MIN_MERGED_PAIRS", 1)
+    monkeypatch.setattr(kernel_bwd, "default_pass_options", recorded)
+    pypto_backward.bwd_cache_clear()
+    try:
+        case = Case([40, 20], 32, num_qk_heads=1, num_v_heads=2, with_initial_state=True, activations=activations)
+        x = make_inputs(case)
+        assert_grads_close(kernel_grads(x, case, scale=0.125), reference_grads(x, scale=0.125, use_qk_l2norm=True))
+        assert chosen == [{"cube_nbuffer_setting": {-1: kernel_bwd.MERGED_CUBE_SUBGRAPHS}}]
+    finally:
+        pypto_backward.bwd_cache_clear()
+
+
 def test_all_sequences_empty_pass_the_final_state_gradient_through() -> None:
     x = make_inputs(Case([0, 0], 64, with_initial_state=True))
     launches = pypto_backward.launch_count()

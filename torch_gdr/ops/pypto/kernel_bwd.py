@@ -337,6 +337,28 @@ def _set_pass_options(options: dict | None) -> None:
         import_pypto().set_pass_options(**options)
 
 
+#: A launch of at least this many (sequence, value head) pairs merges its heads' identical
+#: cube work (``cube_nbuffer_setting``, :func:`default_pass_options`). Cost model, H2/HV4
+#: K = V = 128, cycles without / with: 4 pairs (1 x 1024) 642,595 / 964,769, 8 pairs (2 x
+#: 1024) 1,103,499 / 1,085,417, 16 pairs (4 x 1024) 2,099,563 / 1,456,790.
+MIN_MERGED_PAIRS = 8
+#: How many identical cube subgraphs (a chunk's products of that many value heads) one task
+#: runs, in a merged launch: 8 against 4 / 6 / 16 on H16/HV32 2 x 512 (81.85 cycles per
+#: value-head x token against 83.49 / 82.17 / 90.62; 128.24 unmerged).
+MERGED_CUBE_SUBGRAPHS = 8
+
+
+def default_pass_options(num_seqs: int, num_v_heads: int) -> dict:
+    """The backward's pypto pass options for a launch of ``num_seqs`` sequences: a body runs
+    every value head of a chunk, and with enough pairs in flight (``MIN_MERGED_PAIRS``) the
+    heads' identical cube subgraphs are merged into fewer, larger tasks (the scheduler's cost
+    per task bounds saturating launches); with few, merging only lengthens each sequence's
+    serial chain."""
+    if num_seqs * num_v_heads < MIN_MERGED_PAIRS:
+        return {}
+    return {"cube_nbuffer_setting": {-1: MERGED_CUBE_SUBGRAPHS}}
+
+
 def build_gdr_bwd_kernel(
     *,
     num_seqs: int,
@@ -365,7 +387,8 @@ def build_gdr_bwd_kernel(
         on_device: run mode NPU rather than SIM (CPU interpreter or cost model).
         vec_rows: rows of the vector tiles (at most l; 64 at most where K or V is 256).
         stitch_function_max_num: pypto runtime option (see the forward kernel).
-        pass_options, runtime_options: further pypto options of the jit (tuning).
+        pass_options, runtime_options: further pypto options of the jit (tuning);
+            ``pass_options`` update :func:`default_pass_options`.
         gate_in_kernel: g is fla's raw gate; the kernel takes ``gate_params [2, HV]`` after
             beta and writes ``d_a_log [T, HV]`` after dbeta (module docstring).
         beta_sigmoid_in_kernel: beta holds logits. allow_neg_eigval: beta = 2 sigmoid(logits).
@@ -392,6 +415,7 @@ def build_gdr_bwd_kernel(
     rows_v = min(l, vec_rows if max(head_k_dim, head_v_dim) <= 128 else 64)
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
 
+    pass_options = {**default_pass_options(num_seqs, num_v_heads), **(pass_options or {})}
     runtime = {"run_mode": run_mode, "stitch_function_max_num": stitch_function_max_num, **(runtime_options or {})}
     jit_options: dict = {"runtime_options": runtime}
 

@@ -329,8 +329,8 @@ def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
     assert pypto_backward.bwd_cache_info() == pypto_backward.BwdCacheInfo(0, 0, (), 0)
 
 
-@pytest.mark.parametrize("activations", [(False, False, False, False), (True, True, True, True)],
-                         ids=["plain", "activations_in_kernel"])
+@pytest.mark.parametrize("activations", [pytest.param((False, False, False, False), marks=pytest.mark.slow),
+                                         (True, True, True, True)], ids=["plain", "activations_in_kernel"])
 def test_heads_merged_into_shared_cube_tasks_keep_every_gradient(activations: tuple,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A launch with enough (sequence, value head) pairs runs its heads' identical cube work

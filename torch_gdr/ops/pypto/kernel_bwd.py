@@ -53,6 +53,10 @@ down to the initial state's. One body per chunk rather than per (chunk, head) ke
 long call within one stitch (``DEFAULT_STITCH_FUNCTION_MAX_NUM`` bodies): bodies beyond
 it go into a later submission, whose parallel work only starts when the first drains.
 
+The value heads of a body have identical cube subgraphs; in a launch of enough (sequence,
+value head) pairs they are merged into shared tasks (:func:`default_pass_options`), fewer
+and larger tasks where the scheduler's cost per task bounds the launch.
+
 Per chunk, with ``S`` the state entering it (read from ``chunk_states``) and the
 forward's quantities recomputed (the notation of :mod:`torch_gdr.ops.torch.chunk_backward`,
 where the whole derivation is)::

@@ -256,6 +256,10 @@ ACTIVATION_CASES = {
         [100], 64, num_qk_heads=2, num_v_heads=4, with_initial_state=True, activations=(False, False, True, False)),
     "all_K64_V256_varlen_40_25": Case([40, 25], 64, head_k_dim=64, head_v_dim=256, with_initial_state=True,
                                       activations=(True, True, True, True)),
+    # 8 (sequence, value head) pairs: the heads' cube work merged (kernel_bwd.MIN_MERGED_PAIRS) at K = V = 256
+    "all_K256_V256_varlen_70_33_gva_2to4": Case([70, 33], 64, num_qk_heads=2, num_v_heads=4, head_k_dim=256,
+                                                head_v_dim=256, with_initial_state=True,
+                                                activations=(True, True, True, True)),
 }
 
 

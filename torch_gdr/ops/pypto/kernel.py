@@ -465,6 +465,9 @@ def _write_eye_pad(y_stacked: Any, eye_pad_t: Any, row0: int) -> None:
     copy where it fits :data:`_EYE_PAD_COPY_BYTES`, otherwise slices of rows."""
     pypto = import_pypto()
     rows, cols = eye_pad_t.shape
+    if rows * cols * 4 <= _EYE_PAD_COPY_BYTES:
+        y_stacked[row0:row0 + rows, 0:cols] = eye_pad_t
+        return
     slice_rows = rows
     while slice_rows * cols * 4 > _EYE_PAD_COPY_BYTES and slice_rows % 2 == 0:
         slice_rows //= 2

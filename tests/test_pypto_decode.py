@@ -74,25 +74,16 @@ def no_host_reads_in_the_step(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 
     guard = _HostReadGuard()
 
-    def disarmed(fn):
+    def switched(fn, on: bool):
+        """``fn`` with the guard armed (entered here, inside the op's body: a mode around the
+        call would see the op, not what its body runs) or disarmed while it runs."""
         def call(*args, **kwargs):
-            armed, guard.armed = guard.armed, False
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                guard.armed = armed
-        return call
-
-    def armed(fn):
-        def call(*args, **kwargs):
-            # entered here, inside the op's body: a mode around the call would see the op, not
-            # what its body runs
-            with guard:
-                guard.armed = True
+            with guard if on else contextlib.nullcontext():
+                before, guard.armed = guard.armed, on
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    guard.armed = False
+                    guard.armed = before
         return call
 
     def refuse(name):
@@ -104,9 +95,9 @@ def no_host_reads_in_the_step(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
             return real(self, *args, **kwargs)
         return method
 
-    monkeypatch.setattr(decode, "pool_step_eager", armed(decode.pool_step_eager))
-    monkeypatch.setattr(decode._pool, "check_pool_args", disarmed(decode._pool.check_pool_args))
-    monkeypatch.setattr(decode.interpreter, "launch", disarmed(decode.interpreter.launch))
+    monkeypatch.setattr(decode, "pool_step_eager", switched(decode.pool_step_eager, True))
+    monkeypatch.setattr(decode._pool, "check_pool_args", switched(decode._pool.check_pool_args, False))
+    monkeypatch.setattr(decode.interpreter, "launch", switched(decode.interpreter.launch, False))
     for name in ("tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse(name))
     yield

@@ -40,7 +40,6 @@ def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Ten
                              call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states, gating_of(call))
 
 
-
 def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor], chunk_states: Optional[Tensor],
               strict: bool) -> tuple[Optional[Tensor], ...]:
     return kernels.chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, call.scale,

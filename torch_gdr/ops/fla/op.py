@@ -77,9 +77,8 @@ def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor],
                                          False, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
         else:
             saved = _unpack(call, packed)
-        grads = fla_chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, *saved, call.scale,
-                              call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
-        return grads if call.gated else grads[:6]
+        return fla_chunk_bwd(grad_o, grad_final_state, call.q, call.k, call.v, call.g, call.beta, *saved, call.scale,
+                             call.initial_state, call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, gating_of(call))
     except FlaRefusal as refusal:
         refuse_or_warn("fla", refusal.reason, named=strict, instead="the pure-torch backward")
         return raw_call_backward(call, grad_o, grad_final_state)

@@ -648,10 +648,10 @@ def build_gdr_kernel(
         ``[l, width]``, times ``weight [l, 1]`` if given.
 
         A strided two-dimensional view (no reshape), brought on chip by one vector task in
-        64-row tiles (128 with ``joined``): the cast for half inputs, zero-filled past ``rows`` for a tail, plus
-        ``order`` unless None (zeros written by the previous chunk's read, see the
-        ``ticket`` input). (Consumed directly by the chunk's 128-row work, the view fails in
-        pypto 0.2.0's runtime model.)
+        64-row tiles (128 with ``joined``): the cast for half inputs, zero-filled past
+        ``rows`` for a tail, plus ``order`` unless None (zeros written by the previous
+        chunk's read, see the ``ticket`` input). (Consumed directly by the chunk's 128-row
+        work, the view fails in pypto 0.2.0's runtime model.)
 
         ``joined`` (half inputs): the reads given the same list are one task, in the chunk's
         row tiles: the first read's cast goes into the list and each later read adds it
@@ -802,7 +802,7 @@ def build_gdr_kernel(
         ticket: pypto.Tensor([num_pairs * l, ticket_cols], fp32),
     ):
         # L0 tiles 128 x 128 (64 KiB fp32 per operand); L1 holds 256 along K, so the
-        # [S; I] products (K + V = 256) load their operands once.
+        # [S; I] products (K + V = 256) load their operands once (128 where K or V is 256).
         pypto.set_cube_tile_shapes([128, 128], [128, cube_l1_k], [128, 128])
 
         for body in pypto.loop(num_pairs // body_heads, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):

@@ -37,8 +37,8 @@ copies; 128-row fp32 tiles fail in the cost model). The state is held as separat
 tiles, an order of magnitude dearer on the vector pipe than the blocks' own sums added.
 A 2-byte pool row (bf16, fp16) is read whole, ``[K, V]`` in one copy (as many bytes as
 one fp32 block: one copy where fp32 needs two), masked in its own dtype and cast to fp32
-block by block (slices of an on-chip tile that match the blocks stay on chip). What is left: the copies and, for
-fp32, a few tiles the unified buffer spills.
+block by block (slices of an on-chip tile that match the blocks stay on chip). What is
+left: the copies and, for fp32, a few tiles the unified buffer spills.
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -366,9 +366,8 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
     Same loop and tiles as the decode kernel: each (sequence, value head) reads its
     ``[K, V]`` row once and writes it to each of its S rows, in tiles of 64 rows (fp32) or
     the whole row (a 2-byte pool, one copy, as the decode kernel reads it). Arguments:
-    ``read_rows [B]``
-    int32, ``write_rows [B * S]`` int32 (valid rows only), ``pool`` and ``pool_out``
-    ``[slots * HV * K, V]`` (one storage, as for the decode kernel).
+    ``read_rows [B]`` int32, ``write_rows [B * S]`` int32 (valid rows only), ``pool`` and
+    ``pool_out`` ``[slots * HV * K, V]`` (one storage, as for the decode kernel).
     """
     pypto = import_pypto()
     pool_dt = _pypto_dtype(pool_dtype)

@@ -1,6 +1,6 @@
 """What forming ``(I + A)^-1 B`` costs in pypto's cost model, by several methods, and what one
-product costs: the measurements behind the forward kernel's floor (bench/RESULTS.md, "The
-forward's floor in the cost model").
+product costs: the measurements behind the forward kernel's floor (bench/RESULTS.md, "PyPTO
+forward: where its floor is in the cost model").
 
 The chunk's inverse is most of the forward's cube time. This script runs one solve in a loop
 over ``--bodies`` independent (A, B) pairs (A ``[128, 128]`` strictly lower, B ``[128, 256]``),

@@ -480,6 +480,28 @@ def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
     assert any(a.shape == (3,) for a in args)  # act_seq_len of two sequences
 
 
+def _inverse_cost_script():
+    import importlib.util
+
+    sys.path.insert(0, str(REPO_ROOT / "bench"))  # it imports the cost-model script as a module
+    try:
+        spec = importlib.util.spec_from_file_location("pypto_inverse_cost", REPO_ROOT / "bench" / "pypto_inverse_cost.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "bench"))
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["power", "split64", "vector16", "batched16"])
+def test_inverse_methods_timed_in_the_bench_solve_the_same_system(method: str) -> None:
+    """bench/pypto_inverse_cost.py compares the cost of ways of forming ``(I + A)^-1 B``; each
+    must compute it (a wrong method could look cheap): through the interpreter, against a float64
+    triangular solve, on inputs whose solution reaches several units."""
+    assert _inverse_cost_script().check(method, bodies=2) < 1e-4
+
+
 #: The forward's cycle budgets in pypto's cost model (stock SIM, 910B), b=1, H=2, HV=4,
 #: K=V=128, l2norm and initial state on: the forward's acceptance budgets. The model is
 #: deterministic; a change that breaks a budget fails here rather than in the next table.

@@ -81,12 +81,15 @@ def _diagonal_blocks(square: Any) -> Any:
 
 
 def solve_power(a: Any, rhs: Any, masks: list) -> Any:
+    """``(I + a)^-1 rhs`` as the forward kernel forms it; ``a [l, l]`` strictly lower, ``rhs [l, 256]``,
+    fp32 tiles; ``masks`` the kernel's ``MASK_*`` tiles. Returns ``[l, 256]``."""
     n1 = a * masks[fwd.MASK_BASE_BLOCKS]
     off = a * masks[fwd.MASK_OFF_BLOCKS]
     return fwd._solve_unit_lower(n1, off, masks[fwd.MASK_IDENTITY] - n1, rhs, masks, CHUNK)
 
 
 def solve_split64(a: Any, rhs: Any, masks: list) -> Any:
+    """As :func:`solve_power`, from the inverses of the two diagonal 64 x 64 blocks."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     h = CHUNK // 2
@@ -112,6 +115,7 @@ def solve_split64(a: Any, rhs: Any, masks: list) -> Any:
 
 
 def solve_vector16(a: Any, rhs: Any, masks: list) -> Any:
+    """As :func:`solve_power`, the 16 x 16 diagonal blocks inverted on the vector unit."""
     pypto = import_pypto()
     count = CHUNK // BLOCK
     eye = masks[fwd.MASK_IDENTITY]
@@ -134,6 +138,7 @@ def solve_vector16(a: Any, rhs: Any, masks: list) -> Any:
 
 
 def solve_batched16(a: Any, rhs: Any, masks: list) -> Any:
+    """As :func:`solve_power`, the 16 x 16 diagonal blocks by batched ``[8, 16, 16]`` products."""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     count = CHUNK // BLOCK
@@ -232,6 +237,8 @@ def task_times(out: Path) -> dict[str, tuple[int, float]]:
 
 
 def solve_inputs(bodies: int) -> list[torch.Tensor]:
+    """The solve kernel's arguments: A (scaled so the solution reaches several units), B, the
+    masks and a zero output."""
     gen = torch.Generator().manual_seed(0)
     a = 0.1 * torch.randn(bodies * CHUNK, CHUNK, generator=gen)
     rhs = torch.randn(bodies * CHUNK, RHS_WIDTH, generator=gen)

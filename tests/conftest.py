@@ -35,7 +35,8 @@ def pytest_deselected(items):
 
 
 def pytest_collection_finish(session):
-    if _deselected_slow:
+    # only when the mark expression left them out (not, say, a -k filter in a slow run)
+    if _deselected_slow and "not slow" in (session.config.getoption("markexpr") or ""):
         session.config.get_terminal_writer().line(
             f"left out: {len(_deselected_slow)} slow test(s) (-m \"not slow\"); run them with `make test-slow` "
             "or `python -m pytest -m slow`")

@@ -58,19 +58,6 @@ def _product_tree(factors: list) -> Any:
     return factors[0]
 
 
-def _block_level(d_inv: Any, off: Any, rhs: Any, eye: Any) -> Any:
-    """``(I + G)^-1 D^-1 rhs`` with ``G = D^-1 off`` (index l / 16), as the kernel's solve ends."""
-    pypto = import_pypto()
-    fp32 = pypto.DT_FP32
-    powers = [pypto.matmul(d_inv, off, fp32)]
-    for _ in range(fwd.num_block_levels(CHUNK) - 1):
-        powers.append(pypto.matmul(powers[-1], powers[-1], fp32))
-    inverse = d_inv
-    for factor in fwd._unit_plus(powers[:0:-1] + [powers[0] * -1.0], eye):
-        inverse = pypto.matmul(factor, inverse, fp32)
-    return pypto.matmul(inverse, rhs, fp32)
-
-
 def _diagonal_blocks(square: Any) -> Any:
     """The 16 x 16 diagonal blocks of a block-diagonal ``[l, l]`` (zero elsewhere), ``[l / 16, 16, 16]``."""
     pypto = import_pypto()
@@ -134,7 +121,7 @@ def solve_vector16(a: Any, rhs: Any, masks: list) -> Any:
         spread = pypto.expand_clone(pypto.reshape(inverse, [CHUNK, 1, BLOCK], inplace=True), [CHUNK, count, BLOCK])
         pypto.set_vec_tile_shapes(CHUNK, CHUNK)
         d_inv = pypto.reshape(spread, [CHUNK, CHUNK], inplace=True) * (masks[fwd.MASK_BASE_BLOCKS] + eye)
-    return _block_level(d_inv, off, rhs, eye)
+    return fwd._solve_block_level(d_inv, off, rhs, eye, CHUNK)
 
 
 def solve_batched16(a: Any, rhs: Any, masks: list) -> Any:

@@ -410,14 +410,25 @@ def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:
     assert leftovers == [], f"temporary dirs not removed: {leftovers}"
 
 
-def _cost_model_script():
+def _bench_script(name: str):
+    """``bench/<name>.py`` as a module (bench/ on the path while it loads: one script imports
+    another)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pypto_cost_model", REPO_ROOT / "bench" / "pypto_cost_model.py")
+    bench = str(REPO_ROOT / "bench")
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    sys.path.insert(0, bench)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
     return module
+
+
+def _cost_model_script():
+    return _bench_script("pypto_cost_model")
 
 
 def test_cost_model_report_parsing() -> None:
@@ -480,26 +491,13 @@ def test_cost_model_backward_launch_is_the_backward_kernel() -> None:
     assert any(a.shape == (3,) for a in args)  # act_seq_len of two sequences
 
 
-def _inverse_cost_script():
-    import importlib.util
-
-    sys.path.insert(0, str(REPO_ROOT / "bench"))  # it imports the cost-model script as a module
-    try:
-        spec = importlib.util.spec_from_file_location("pypto_inverse_cost", REPO_ROOT / "bench" / "pypto_inverse_cost.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO_ROOT / "bench"))
-    return module
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["power", "split64", "vector16", "batched16"])
 def test_inverse_methods_timed_in_the_bench_solve_the_same_system(method: str) -> None:
     """bench/pypto_inverse_cost.py compares the cost of ways of forming ``(I + A)^-1 B``; each
     must compute it (a wrong method could look cheap): through the interpreter, against a float64
     triangular solve, on inputs whose solution reaches several units."""
-    assert _inverse_cost_script().check(method, bodies=2) < 1e-4
+    assert _bench_script("pypto_inverse_cost").check(method, bodies=2) < 1e-4
 
 
 #: The forward's cycle budgets in pypto's cost model (stock SIM, 910B), b=1, H=2, HV=4,

@@ -366,6 +366,16 @@ def _solve_unit_lower(n1: Any, off: Any, first_factor: Any, rhs: Any, masks: Any
     n8 = pypto.matmul(n4, n4, fp32)
     f2, f4, f8 = _unit_plus([n2, n4, n8], eye)
     d_inv = pypto.matmul(pypto.matmul(first_factor, f2, fp32), pypto.matmul(f4, f8, fp32), fp32)
+    return _solve_block_level(d_inv, off, rhs, eye, chunk_size)
+
+
+def _solve_block_level(d_inv: Any, off: Any, rhs: Any, eye: Any, chunk_size: int) -> Any:
+    """``(I + G)^-1 D^-1 rhs`` with ``G = D^-1 off``, from ``D^-1`` ``[l, l]`` (block diagonal,
+    16 x 16 blocks) and ``off`` ``[l, l]`` (strictly block-lower): the block level of
+    :func:`_solve_unit_lower`, its factors multiplying ``D^-1`` before the one product with
+    ``rhs [l, n]``."""
+    pypto = import_pypto()
+    fp32 = pypto.DT_FP32
     levels = num_block_levels(chunk_size)
     if levels == 0:
         return pypto.matmul(d_inv, rhs, fp32)

@@ -87,6 +87,16 @@ def assert_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) ->
     assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
 
 
+#: fla's bound on the rmse ratio of o and the states for half inputs: the kernel's Gram
+#: products (Q K^T, diag(beta) K K^T) round their operands to the input dtype.
+HALF_RMSE_RATIO = 0.005
+
+
+def assert_half_within_tolerance(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    ratio = testing.rmse_ratio(want, got)
+    assert ratio < HALF_RMSE_RATIO, f"{name}: rmse ratio {ratio:.3g}, expected below {HALF_RMSE_RATIO}"
+
+
 def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: bool, scale: float | None = None,
                               public_call: bool = True, gating: dict | None = None,
                               reference_inputs: dict | None = None):
@@ -110,8 +120,9 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
     ref_o, ref_state = reference_tnd(reference_inputs or inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
     assert o.dtype == torch.float32 and final_state.dtype == torch.float32
     assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
+    half = inputs["q"].dtype in (torch.bfloat16, torch.float16)
     for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
-        assert_within_tolerance(name, got, want)
+        (assert_half_within_tolerance if half else assert_within_tolerance)(name, got, want)
 
 
 @pytest.mark.parametrize(
@@ -270,11 +281,11 @@ def test_chunk_states_match_the_recurrence_at_chunk_boundaries(with_initial_stat
     assert chunk_size == 128
     assert chunk_offsets(inputs["cu_seqlens"], chunk_size).tolist() == [0, 2, 2, 3]
     assert chunk_states.shape == (3, 2, 64, 64) and chunk_states.dtype == torch.float32
-    assert_within_tolerance("chunk_states", chunk_states,
-                            reference_chunk_states(inputs, chunk_size, scale=scale, use_qk_l2norm=True))
+    assert_half_within_tolerance("chunk_states", chunk_states,
+                                 reference_chunk_states(inputs, chunk_size, scale=scale, use_qk_l2norm=True))
     ref_o, ref_state = reference_tnd(inputs, scale=scale, use_qk_l2norm=True)
-    assert_within_tolerance("o", o, ref_o)
-    assert_within_tolerance("final_state", final_state, ref_state)
+    assert_half_within_tolerance("o", o, ref_o)
+    assert_half_within_tolerance("final_state", final_state, ref_state)
 
 
 @pytest.mark.parametrize(

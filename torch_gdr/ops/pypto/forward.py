@@ -2,7 +2,10 @@
 
 On CPU tensors the kernel runs through PyPTO's verify interpreter (:mod:`.interpreter`);
 on Ascend NPU tensors (``device.type == "npu"``) it is launched on the device. q, k and v
-go to the kernel in their own dtype (fp32, fp16 or bf16); the kernel converts them.
+go to the kernel in their own dtype (fp32, fp16 or bf16); the kernel converts them to fp32,
+and with half inputs in bodies of several value heads multiplies ``Q K^T`` and
+``diag(beta) K K^T`` at the cube's half rate (operands rounded to the input dtype, fp32
+accumulation; fla's bf16 error bounds). The state and every other product stay fp32.
 """
 
 from __future__ import annotations

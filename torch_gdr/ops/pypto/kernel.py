@@ -488,6 +488,7 @@ def _write_eye_pad(y_stacked: Any, eye_pad_t: Any, row0: int) -> None:
 def _chunk_terms(
     q: Any, k: Any, v_beta: Any, g: Any, beta: Any, masks: Any, eye_pad_t: Any, *, scale: float,
     use_qk_l2norm: bool, chunk_size: int, vec_rows: int, scope: int, gram_masks: Any, merged: bool,
+    gram_dtype: Any = None,
 ) -> tuple[Any, Any]:
     """The chunk's state-free terms from full-size fp32 tiles q, k ``[l, K]``, ``beta * v``
     ``[l, V]``, g, beta ``[l, 1]``: ``MB = [M | B]`` ``[K, K + V]`` and ``QO = [QE | OI]`` ``[l, K + V]``.
@@ -497,7 +498,14 @@ def _chunk_terms(
     product is one task (merge scope ``scope``), ``Q K^T`` and ``diag(beta) K K^T`` are one
     stacked product and their masking one task (``scope + 1``). Without (one value head a
     body), the form of before (:func:`_chunk_terms_separate`): the merge scopes there make
-    pypto 0.2.0's cost model fail (ParseInput BuildFunction, at T = 1024, HV = 4)."""
+    pypto 0.2.0's cost model fail (ParseInput BuildFunction, at T = 1024, HV = 4).
+
+    ``gram_dtype`` (the kernel's half input dtype, or None), with ``merged``: the stacked
+    Gram product's operands, the normalised and scaled q, k and ``beta * k``, are rounded to
+    it in the first vector task and multiplied at the cube's half rate with fp32
+    accumulation, as fla's kernels do; every other product and the state stay fp32. (Not
+    in a body of one value head: there the casts are vector tasks of their own, slower than
+    the fp32 products; bench/RESULTS.md has the figures.)"""
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     head_k_dim, head_v_dim = k.shape[1], v_beta.shape[1]
@@ -524,7 +532,11 @@ def _chunk_terms(
         eye_k = pypto.view(eye_pad_t, [head_k_dim, head_k_dim], [0, 0])
         lhs_mb = pypto.concat([k_out, eye_k * chunk_decay], dim=0)  # [l + K, K]
         q_in = q * decay_in
-    gram = pypto.matmul(q_kbeta, k, fp32, b_trans=True)  # [Q K^T; diag(beta) K K^T], [2l, l]
+        k_gram = k
+        if gram_dtype is not None:
+            q_kbeta = pypto.cast(q_kbeta, gram_dtype)
+            k_gram = pypto.cast(k, gram_dtype)
+    gram = pypto.matmul(q_kbeta, k_gram, fp32, b_trans=True)  # [Q K^T; diag(beta) K K^T], [2l, l]
     with one_vector_task(scope + 1):
         gram = gram * decay_stacked * gram_masks  # [P; A] in one pass
         qk = pypto.view(gram, [l, l], [0, 0])  # P
@@ -764,7 +776,7 @@ def build_gdr_kernel(
         mb, qo = _chunk_terms(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows, scope=scope,
-            gram_masks=gram_masks, merged=body_heads > 1,
+            gram_masks=gram_masks, merged=body_heads > 1, gram_dtype=None if input_dtype == "float32" else in_dt,
         )
         if tail:  # the product then has the valid rows only, and the cube writes just those
             # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)

@@ -118,7 +118,8 @@ def assert_close_to_reference(inputs: dict, *, chunk_size: int, use_qk_l2norm: b
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, chunk_size=chunk_size,
         )
     ref_o, ref_state = reference_tnd(reference_inputs or inputs, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    assert o.dtype == torch.float32 and final_state.dtype == torch.float32
+    assert o.dtype == (inputs["v"].dtype if public_call else torch.float32)  # the public call's o: v's dtype
+    assert final_state.dtype == torch.float32
     assert ref_o.dtype == torch.float64 and ref_state.dtype == torch.float64
     half = inputs["q"].dtype in (torch.bfloat16, torch.float16)
     for name, got, want in (("o", o, ref_o), ("final_state", final_state, ref_state)):
@@ -203,19 +204,30 @@ def test_head_dims_256_in_bodies_of_several_value_heads(monkeypatch: pytest.Monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_inputs_in_bodies_of_several_value_heads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype, gated", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+                         ids=["bf16", "fp16", "bf16_activations_in_kernel"])
+def test_half_inputs_in_bodies_of_several_value_heads(dtype: torch.dtype, gated: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Half q, k, v in bodies of four value heads (the saturating launches' path, which reads
-    a chunk's q, k and v in one task): a first, a middle and a tail chunk (300 tokens at
-    kernel chunk 128), a one-chunk sequence, GVA, an initial state. Against the recurrence on
-    the same rounded inputs, through the host forward (float32 output)."""
+    a chunk's q, k and v in one task and rounds the Gram product's operands): a first, a
+    middle and a tail chunk (300 tokens at kernel chunk 128), a one-chunk sequence, GVA, an
+    initial state. Against the recurrence on the same rounded inputs, through the host
+    forward (float32 output); ``gated``: fla's activations in the kernel, through the public
+    call (o in bf16)."""
     monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
     monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (4,))
     kernel_cache.cache_clear()
     try:
         inputs = make_inputs([300, 40], num_qk_heads=2, num_v_heads=8, with_initial_state=True, seed=5)
         inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
-        assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True, public_call=False)
+        if not gated:
+            assert_close_to_reference(inputs, chunk_size=128, use_qk_l2norm=True, public_call=False)
+        else:
+            raw, gating, activated = with_raw_activations(inputs, seed=5)
+            assert_close_to_reference(raw, chunk_size=128, use_qk_l2norm=True, gating=gating,
+                                      reference_inputs=activated)
+            assert [(key.gate_in_kernel, key.input_dtype) for key in kernel_cache.cache_info().keys] == [
+                (True, "bfloat16")]
     finally:
         kernel_cache.cache_clear()
 
@@ -530,6 +542,22 @@ def test_cost_model_cycles_within_budget_and_flat() -> None:
         per_token[lens] = result["cycles_per_token"]
     ratio = per_token[(1024,)] / per_token[(4096,)]
     assert 1 / 1.2 <= ratio <= 1.2, f"cycles per token, T=1024 / T=4096: {ratio:.3f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gating", [False, True], ids=["plain", "activations_in_kernel"])
+def test_cost_model_runs_half_inputs_in_bodies_of_several_value_heads(gating: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """pypto's cost model simulates the saturating launches' bf16 path (bodies of four value
+    heads, forced here on a small launch), with and without fla's activations in the kernel:
+    some read orders compile and run in the interpreter but fail in the SIM (FFFFFF)."""
+    monkeypatch.setattr(pypto_kernel, "MIN_MERGED_BODIES", 1)
+    monkeypatch.setattr(pypto_kernel, "HEADS_PER_BODY_CHOICES", (4,))
+    script = _cost_model_script()
+    workload = script.Workload(lens=(384, 200), heads=2, v_heads=8, dtype="bfloat16", gating=gating)
+    with script.output_root(None) as out:
+        result = script.run_cost_model(workload, out)
+    assert result["total_cycles"] > 0 and result["tasks_per_chunk_head"] > 0
 
 
 @pytest.mark.slow

@@ -752,7 +752,9 @@ def build_gdr_kernel(
         # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
         # and the ticket's zeros are one task, where each cast was one (bench/RESULTS.md).
         # The keys first: a non-finite key row may reach the others' row, never the reverse.
-        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail else None
+        # Not with fla's activations in the kernel: joined reads there fail in pypto 0.2.0's
+        # cost model (FFFFFF, ParseInput BuildFunction) in every form tried (bench/RESULTS.md).
+        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail and not gate_in_kernel else None
         if joined is None:
             q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
             k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)

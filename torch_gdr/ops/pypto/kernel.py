@@ -752,9 +752,11 @@ def build_gdr_kernel(
         # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
         # and the ticket's zeros are one task, where each cast was one (bench/RESULTS.md).
         # The keys first: a non-finite key row may reach the others' row, never the reverse.
-        # Not with fla's activations in the kernel: joined reads there fail in pypto 0.2.0's
-        # cost model (FFFFFF, ParseInput BuildFunction) in every form tried (bench/RESULTS.md).
-        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail and not gate_in_kernel else None
+        # Not with fla's activations in the kernel (either): joined reads there fail in pypto
+        # 0.2.0's cost model (FFFFFF, ParseInput BuildFunction) in every form tried
+        # (bench/RESULTS.md, both activations on).
+        activations = gate_in_kernel or beta_sigmoid_in_kernel
+        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail and not activations else None
         if joined is None:
             q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
             k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)

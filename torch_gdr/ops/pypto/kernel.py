@@ -663,6 +663,14 @@ def build_gdr_kernel(
     ticket_cols = ticket_width(dk, dv)
     cube_l1_k = 256 if max(dk, dv) <= 128 else 128  # L1 holds 512 KiB: K = 256 products stage 128-deep tiles
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
+    # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
+    # and the ticket's zeros are one task (but a tail's), where each cast was one
+    # (bench/RESULTS.md). Not with fla's activations in the kernel (either): joined reads
+    # there fail in pypto 0.2.0's cost model (FFFFFF, ParseInput BuildFunction) in every
+    # form tried (bench/RESULTS.md, both activations on).
+    join_half_reads = (input_dtype != "float32" and body_heads > 1
+                       and not (gate_in_kernel or beta_sigmoid_in_kernel))
+    gram_dtype = None if input_dtype == "float32" else in_dt  # see _chunk_terms
 
     def read_rows(src: Any, width: int, head: Any, start: Any, rows: Any, order: Any, tail: bool,
                   weight: Any = None, joined: list | None = None) -> Any:
@@ -749,14 +757,9 @@ def build_gdr_kernel(
             pypto.assemble(entering, [((chunk_offsets_in[seq] + chunk) * num_v_heads + head) * dk, 0],
                            chunk_states_out)
         # (The reads in the chunk's first merge scope fail to compile in pypto 0.2.0: FFFFFF.)
-        # Half inputs in a body of several heads: the chunk's k, q (and v where V == K) reads
-        # and the ticket's zeros are one task, where each cast was one (bench/RESULTS.md).
-        # The keys first: a non-finite key row may reach the others' row, never the reverse.
-        # Not with fla's activations in the kernel (either): joined reads there fail in pypto
-        # 0.2.0's cost model (FFFFFF, ParseInput BuildFunction) in every form tried
-        # (bench/RESULTS.md, both activations on).
-        activations = gate_in_kernel or beta_sigmoid_in_kernel
-        joined = [] if input_dtype != "float32" and body_heads > 1 and not tail and not activations else None
+        # Joined reads (join_half_reads): the keys first, as a non-finite key row may reach
+        # the others' row, never the reverse.
+        joined = [] if join_half_reads and not tail else None
         if joined is None:
             q_c = read_rows(q_in, dk, qk_head, start, rows, order, tail)
             k_c = read_rows(k_in, dk, qk_head, start, rows, order, tail)
@@ -780,7 +783,7 @@ def build_gdr_kernel(
         mb, qo = _chunk_terms(
             q_c, k_c, v_beta, g_c, beta_c, mask_tiles, eye_pad_t,
             scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=l, vec_rows=vec_rows, scope=scope,
-            gram_masks=gram_masks, merged=body_heads > 1, gram_dtype=None if input_dtype == "float32" else in_dt,
+            gram_masks=gram_masks, merged=body_heads > 1, gram_dtype=gram_dtype,
         )
         if tail:  # the product then has the valid rows only, and the cube writes just those
             # (test_chunk_states_match_..._a_launch_per_chunk fails if padding rows are written)

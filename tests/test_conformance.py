@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_gdr
-from torch_gdr.dispatch import BACKENDS, CallSpec
+from torch_gdr.dispatch import BACKENDS, CallSpec, reason_text
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
 
@@ -50,7 +50,7 @@ GRAD_BOUND = {torch.float32: 1e-4, torch.bfloat16: 8e-3}
 
 def _serves(backend: str, entry: str, inputs: dict, grad: bool = False) -> Optional[str]:
     reasons = BACKENDS[backend].unsupported_reasons(CallSpec.of(entry, inputs["q"], inputs["v"], 32, grad))
-    return "; ".join(reasons) or None
+    return reason_text(reasons) or None
 
 
 def _params() -> list:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_gdr
-from torch_gdr.dispatch import BACKENDS, CallSpec
+from torch_gdr.dispatch import BACKENDS, CallSpec, reason_text
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 from torch_gdr.testing import make_inputs, rmse_ratio
 from tests.helpers import assert_compiled_matches_eager
@@ -83,7 +83,7 @@ def _leaves(x: dict) -> dict:
 
 def _serves(backend: str, entry: str, x: dict, grad: bool) -> Optional[str]:
     reasons = BACKENDS[backend].unsupported_reasons(CallSpec.of(entry, x["q"], x["v"], 16, grad))
-    return "; ".join(reasons) or None
+    return reason_text(reasons) or None
 
 
 def _check_against_definition(o, s, leaves, exact_leaves, grads: bool) -> None:

@@ -13,7 +13,7 @@ import torch_gdr
 import torch_gdr.ops.fla as fla_backend
 from tests import fla_standin
 from tests.helpers import make_inputs
-from torch_gdr.dispatch import BACKENDS, CallSpec, registry
+from torch_gdr.dispatch import BACKENDS, CallSpec, reason_text, registry
 from torch_gdr.ops.fla import FlaRefusal
 from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
@@ -61,7 +61,7 @@ def any_device(monkeypatch):
 
 def fla_reasons(q, k, v, *, entry: str = "chunk", needs_backward: bool = False):
     """The "fla" backend's reasons for a call, joined, or None when it serves it."""
-    return "; ".join(BACKENDS["fla"].unsupported_reasons(CallSpec.of(entry, q, v, 64, needs_backward))) or None
+    return reason_text(BACKENDS["fla"].unsupported_reasons(CallSpec.of(entry, q, v, 64, needs_backward))) or None
 
 
 def fused_recurrent_gated_delta_rule(*args, **kwargs):
@@ -190,7 +190,7 @@ def test_missing_function(standin, any_device) -> None:
     standin.install(**{"fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule_bwd": None})
     x = _inputs(seq_len=4)
     reasons = BACKENDS["fla"].unsupported_reasons(CallSpec.of("chunk", x["q"], x["v"], 64, False))
-    assert "has no fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd" in reasons[0]
+    assert "has no fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd" in reasons[0].text
     assert reasons[0].kind == "missing"  # installed but broken: a default warns
 
 

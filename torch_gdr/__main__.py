@@ -200,7 +200,7 @@ def backend_report() -> list[str]:
         for device in devices:
             x = torch.empty(1, 1, 1, 128, device=device)
             found = backend.unsupported_reasons(CallSpec.of("chunk", x, x, 64, False))
-            (reasons.extend(f"{device}: {r}" for r in found) if found else served.append(device))
+            (reasons.extend(f"{device}: {r.text}" for r in found) if found else served.append(device))
         status = f"serves {', '.join(served)}" if served else "missing here"
         lines.append(f"  {name:<9} {status}" + (f" ({'; '.join(reasons)})" if reasons and not served else ""))
     return lines

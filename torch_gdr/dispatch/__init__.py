@@ -13,14 +13,14 @@ from torch_gdr.dispatch.registry import (BACKEND_ENV_VAR, BACKENDS, DEVICE_ORDER
                                          device_order, report, requested_backend, resolve_backend, select,
                                          smallest_chunk_size)
 from torch_gdr.dispatch.run import needs_grad, run_checkpoints, run_chunk, run_pool_step, run_step
-from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, OpArgs, Reason
+from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, OpArgs, Reason, reason_text
 from torch_gdr.ops.pypto import cache_clear, cache_info
 
 __all__ = [
     "BACKEND_ENV_VAR", "BACKENDS", "Backend", "BackendError", "CallSpec", "Capabilities", "CpuBackendError",
     "CpuFallbackWarning", "DEVICE_ORDERS", "FallbackWarning", "FlaBackendError", "FlaFallbackWarning",
     "NoBackendError", "OpArgs", "PyptoBackendError", "PyptoFallbackWarning", "Reason", "STRICT_ENV_VAR", "Selection",
-    "cache_clear", "cache_info", "default_backend", "device_order", "needs_grad", "npu_available", "report",
-    "requested_backend", "resolve_backend", "run_checkpoints", "run_chunk", "run_pool_step", "run_step", "select",
+    "cache_clear", "cache_info", "default_backend", "device_order", "needs_grad", "npu_available", "reason_text",
+    "report", "requested_backend", "resolve_backend", "run_checkpoints", "run_chunk", "run_pool_step", "run_step", "select",
     "smallest_chunk_size",
 ]

@@ -37,7 +37,7 @@ import torch
 
 from torch_gdr._fallback import NoBackendError, refuse_or_warn
 from torch_gdr._validate import CHUNK_SIZES
-from torch_gdr.ops._backend import Backend, CallSpec, Reason
+from torch_gdr.ops._backend import Backend, CallSpec, Reason, reason_text
 from torch_gdr.ops.cpu.backend import BACKEND as _CPU
 from torch_gdr.ops.fla.backend import BACKEND as _FLA
 from torch_gdr.ops.pypto.backend import BACKEND as _PYPTO
@@ -138,7 +138,7 @@ def select(call: CallSpec, backend: Optional[str] = None) -> Selection:
         chosen = BACKENDS[name]
         reasons = chosen.unsupported_reasons(call)
         if reasons:
-            raise chosen.error(f"backend {name!r} cannot serve {_entry_words(call.entry)}: {'; '.join(reasons)}")
+            raise chosen.error(f"backend {name!r} cannot serve {_entry_words(call.entry)}: {reason_text(reasons)}")
         return Selection(chosen, True)
     order = device_order(call.entry, call.device)
     for position, candidate in enumerate(order):
@@ -147,8 +147,8 @@ def select(call: CallSpec, backend: Optional[str] = None) -> Selection:
         if not reasons:
             return Selection(chosen, False)
         if position + 1 < len(order):
-            _pass_over(candidate, "; ".join(reasons), order[position + 1], _warns(chosen, reasons))
-    lines = [f"  {n}: {'; '.join(BACKENDS[n].unsupported_reasons(call)) or 'not in the order of this device'}"
+            _pass_over(candidate, reason_text(reasons), order[position + 1], _warns(chosen, reasons))
+    lines = [f"  {n}: {reason_text(BACKENDS[n].unsupported_reasons(call)) or 'not in the order of this device'}"
              for n in BACKENDS]
     raise NoBackendError(f"no backend can serve {_entry_words(call.entry)} on {call.device.type!r} tensors:\n"
                          + "\n".join(lines))

@@ -22,7 +22,7 @@ Entry points a backend may serve:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -33,8 +33,8 @@ Tensor = torch.Tensor
 ENTRIES: tuple[str, ...] = ("chunk", "step", "checkpoints", "pool_step")
 
 
-class Reason(str):
-    """Why a backend cannot serve a call: a plain string with a ``kind``.
+class Reason(NamedTuple):
+    """Why a backend cannot serve a call: its words (``text``) and its ``kind``.
 
     - ``"unsupported"``: the backend does not take such calls (float64 on ``"cpu"``). A
       default falls back silently (with a warning where the backend says
@@ -44,16 +44,23 @@ class Reason(str):
       warning per reason; strict mode raises.
     - ``"absent"``: an optional extra that is simply not installed (fla-core without the
       ``[gpu]`` extra). A default falls back silently.
+
+    A named tuple, not a ``str`` subclass: selection builds reasons while ``torch.compile``
+    traces, and Dynamo traces a named tuple's construction (not ``str.__new__`` of a
+    subclass). :func:`reason_text` joins reasons where words are needed.
     """
 
-    kind: str
+    text: str
+    kind: str = "unsupported"
 
-    def __new__(cls, text: str, *, kind: str = "unsupported") -> "Reason":
-        if kind not in ("unsupported", "missing", "absent"):
-            raise ValueError(f"kind: expected 'unsupported', 'missing' or 'absent', got {kind!r}")
-        reason = super().__new__(cls, text)
-        reason.kind = kind
-        return reason
+
+#: The kinds a :class:`Reason` may have.
+REASON_KINDS: tuple[str, ...] = ("unsupported", "missing", "absent")
+
+
+def reason_text(reasons: Sequence[Reason]) -> str:
+    """The words of ``reasons``, joined by ``"; "`` (empty for none)."""
+    return "; ".join(r.text for r in reasons)
 
 
 class OpArgs(NamedTuple):
@@ -230,7 +237,11 @@ class Backend:
             if call.entry == "step" and not caps.step_training:
                 reasons.append(Reason("its step has no backward (an input requires grad)"))
         if self.extra_reasons is not None:
-            reasons.extend(self.extra_reasons(call))
+            for reason in self.extra_reasons(call):
+                if reason.kind not in REASON_KINDS:
+                    raise ValueError(f"{self.name}: a reason's kind: expected one of {list(REASON_KINDS)}, got "
+                                     f"{reason.kind!r}")
+                reasons.append(reason)
         return reasons
 
     def serves(self, call: CallSpec) -> bool:

@@ -126,3 +126,24 @@ def test_nan_in_gives_nan_out_without_crashing() -> None:
     inputs["v"][0, 3, 0, 0] = float("nan")
     o, _ = torch_gdr.chunk_gated_delta_rule(**inputs)
     assert torch.isnan(o).any() and o.shape == inputs["v"].shape
+
+
+def _pool_step(**changes) -> None:
+    """A decode step over a state pool of 4 rows, two sequences of one token each."""
+    inputs = make_inputs(batch_size=2, seq_len=1, num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                         dtype=torch.float32)
+    inputs = dict(inputs, initial_state=torch.zeros(4, 2, 8, 8), ssm_state_indices=torch.tensor([[0], [1]]))
+    inputs.update(changes)
+    torch_gdr.fused_recurrent_gated_delta_rule(**inputs)
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "torch"])
+@pytest.mark.parametrize("name, value, layout", [("ssm_state_indices", [[0], [1]], r"\[N\] or \[N, S\]"),
+                                                 ("ssm_state_indices", (0, 1), r"\[N\] or \[N, S\]"),
+                                                 ("num_accepted_tokens", [1, 1], r"\[N\]")])
+def test_pool_indices_as_python_sequences_raise_type_error(name: str, value, layout: str, backend) -> None:
+    """Index arguments of a pool step given as Python lists or tuples: a ``TypeError`` naming
+    the argument from the public function (not an ``AttributeError`` from dispatch)."""
+    with pytest.raises(TypeError, match=rf"^{name}: expected an integer torch.Tensor {layout}, got "
+                                        rf"{type(value).__name__}$"):
+        _pool_step(**{name: value}, backend=backend)

@@ -368,6 +368,11 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"initial_state: expected the state pool tensor with ssm_state_indices, got "
                         f"{type(pool).__name__}")
+    # before dispatch reads their shapes (the pool rules check the rest)
+    for name, index, layout in (("ssm_state_indices", ssm_state_indices, "[N] or [N, S]"),
+                                ("num_accepted_tokens", num_accepted_tokens, "[N]")):
+        if index is not None and not isinstance(index, torch.Tensor):
+            raise TypeError(f"{name}: expected an integer torch.Tensor {layout}, got {type(index).__name__}")
     # here, where grad mode is still seen (a backend's op runs below autograd)
     check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, A_log=gating["A_log"],
                   dt_bias=gating["dt_bias"])

@@ -129,3 +129,48 @@ def test_extreme_decays_pypto_forward_and_backward(big: float) -> None:
         if t.is_floating_point():
             err = (leaves[n].grad.double() - t.grad).abs()
             assert (err <= 1e-3 * t.grad.abs() + 1e-4).all(), f"d{n}: max abs err {err.max():.3g}"
+
+
+def _masks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.isnan(t), torch.isinf(t)
+
+
+@pytest.mark.parametrize("with_initial_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("backend, entry", [("cpu", "chunk"), ("cpu", "step"), ("cpu", "pool_step"),
+                                            ("torch", "chunk"), ("torch", "step"), ("torch", "pool_step"),
+                                            ("recurrent", "chunk"), ("recurrent", "step")])
+def test_g_plus_inf_gives_the_recurrences_nan_and_inf_masks(backend: str, entry: str, with_initial_state: bool) -> None:
+    """g = +inf at one token (exp(g) S holds infinities, and 0 * inf where S is 0): the
+    outputs and final states are NaN exactly where the recurrence's are, and +-inf exactly
+    where it has them (none), on every entry point; the other values as the recurrence's."""
+    x = make_inputs(batch_size=2, seq_len=6, num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                    dtype=torch.float32, with_initial_state=True)
+    state = x.pop("initial_state").float()
+    if not with_initial_state:
+        state = torch.zeros_like(state)
+    x["g"][0, 2, 1] = float("inf")
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()},
+                                                        initial_state=state.double(), use_qk_l2norm_in_kernel=True)
+    options = dict(use_qk_l2norm_in_kernel=True, backend=backend)
+    if entry == "chunk":
+        o, s = torch_gdr.chunk_gated_delta_rule(**x, initial_state=state, output_final_state=True, chunk_size=16,
+                                                **options)
+    elif entry == "step":
+        o, s = torch_gdr.fused_recurrent_gated_delta_rule(**x, initial_state=state, output_final_state=True, **options)
+    else:  # one token per call over a pool of 3 rows: sequence n in row n + 1 (row 0 untouched)
+        pool = torch.cat([torch.zeros(1, 2, 8, 8), state])
+        outputs = []
+        for t in range(x["q"].shape[1]):
+            token = {n: v[:, t : t + 1] for n, v in x.items()}
+            o_t, returned = torch_gdr.fused_recurrent_gated_delta_rule(
+                **token, initial_state=pool, ssm_state_indices=torch.tensor([1, 2]), **options)
+            assert returned is pool
+            outputs.append(o_t)
+        o, s = torch.cat(outputs, dim=1), pool[1:]
+        assert torch.equal(pool[0], torch.zeros(2, 8, 8))
+    assert exact_o.isnan().any() and not exact_o.isinf().any()  # the case is what it claims
+    for got, want, name in ((o, exact_o, "o"), (s, exact_s, "final state")):
+        for got_mask, want_mask, what in zip(_masks(got), _masks(want), ("NaN", "inf")):
+            assert torch.equal(got_mask, want_mask), f"{name}: {what} where the recurrence has none, or not where it has"
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got.double()[finite], want[finite], atol=1e-5, rtol=1e-5, msg=name)

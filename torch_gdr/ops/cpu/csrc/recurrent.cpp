@@ -193,7 +193,12 @@ inline TokenIn prepare_token(const Problem& p, const T* q, const T* k, const T* 
     l2norm_rows(qv, &rn, 1, K);
     l2norm_rows(kv, &rn, 1, K);
   }
-  const float alpha = std::exp(gate_of(p, g[tok * HV + h], h));
+  // g = +inf: the recurrence's exp(g) S holds +-inf (NaN where S is 0), and every sum over
+  // it, so the head's state and outputs are NaN from this token on; the fused form's
+  // alpha * (S^T k) would give +-inf instead. A NaN factor gives the recurrence's NaN.
+  const float gate = gate_of(p, g[tok * HV + h], h);
+  const float alpha = gate == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN()
+                                                                     : std::exp(gate);
   return TokenIn{qv, kv, vv, alpha, beta_of(p, beta[tok * HV + h]), alpha * p.scale, dot(kv, qv, K) * p.scale};
 }
 

@@ -289,7 +289,10 @@ def test_bad_inputs_raise() -> None:
     ({"layer_idx": "0"}, TypeError, "layer_idx"),
     ({"backend": "nope"}, ValueError, "backend"),
     ({"backend": 1}, TypeError, "backend"),
-    ({"decode_backend": "Recurrent"}, ValueError, "decode_backend"),
+    ({"decode_backend": "Recurrant"}, ValueError, "decode_backend"),
+    ({"dtype": torch.int32}, TypeError, "dtype"),
+    ({"dtype": torch.bool}, TypeError, "dtype"),
+    ({"dtype": "float32"}, TypeError, "dtype"),
     ({"chunk_size": 48}, ValueError, "chunk_size"),
     ({"chunk_size": 64.0}, TypeError, "chunk_size"),
     ({"chunk_size": True}, TypeError, "chunk_size"),
@@ -302,6 +305,19 @@ def test_bad_settings_raise_when_the_layer_is_built(settings: dict, error: type,
     config = {"hidden_size": HIDDEN, "num_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, **settings}
     with pytest.raises(error, match=f"^{argument}: "):
         GatedDeltaNet(**config)
+
+
+def test_backend_names_are_stripped_and_lower_cased_as_the_variable_is() -> None:
+    """``backend=" CPU "`` names "cpu", as ``TORCH_GDR_BACKEND=" CPU "`` does: the layer keeps
+    the name the op reads and gives the outputs of ``backend="cpu"``."""
+    layer = make_layer(" CPU ", decode_backend="\tTorch\n")
+    assert (layer.backend, layer.decode_backend) == ("cpu", "torch")
+    x = inputs(2, 5)
+    with torch.no_grad():
+        got = layer(x)
+        layer.backend = "cpu"
+        want = layer(x)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_recurrent_max_len_zero_is_allowed() -> None:

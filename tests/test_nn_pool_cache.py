@@ -215,3 +215,15 @@ def test_errors_name_the_argument() -> None:
         layer(inputs(1, 3), cache=cache.batch(["a"]))
     with pytest.raises(ValueError, match="attention_mask: not supported"), torch.no_grad():
         layer(inputs(1, 3), attention_mask=torch.ones(1, 3), cache=cache.batch(["a"]))
+
+
+@pytest.mark.parametrize("ids", ["ab", b"ab", bytearray(b"ab")], ids=["str", "bytes", "bytearray"])
+def test_allocate_of_a_string_of_ids_raises_type_error(ids) -> None:
+    """A ``str`` or ``bytes`` is iterable, but its characters are not the request ids meant:
+    ``TypeError`` naming the argument, and nothing allocated."""
+    cache = GatedDeltaNetPoolCache(slots=4)
+    with pytest.raises(TypeError, match=r"^request_ids: expected an iterable of request ids .*got a "
+                                        rf"{type(ids).__name__}"):
+        cache.allocate(ids)
+    assert len(cache) == 0 and not any(i in cache for i in ("a", "b", "ab", 97, 98))
+    assert cache.allocate(["ab"]).tolist() == [0]  # the id itself, in a list

@@ -147,3 +147,34 @@ def test_pool_indices_as_python_sequences_raise_type_error(name: str, value, lay
     with pytest.raises(TypeError, match=rf"^{name}: expected an integer torch.Tensor {layout}, got "
                                         rf"{type(value).__name__}$"):
         _pool_step(**{name: value}, backend=backend)
+
+
+# how the backend written shows it is taken as named: a call it cannot serve, and its error
+NAMED_REFUSALS = {"cpu": (dict(dtype=torch.float64), r"float32/float16/bfloat16"),
+                  "recurrent": (dict(checkpoint_every=16, chunk_size=16), r"no checkpoints")}
+
+
+@pytest.mark.parametrize("written, name", [(" CPU ", "cpu"), ("Torch\n", "torch"), ("\tRECURRENT", "recurrent")])
+def test_backend_argument_is_stripped_and_lower_cased_as_the_variable_is(written: str, name: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend=" CPU "`` names "cpu" in both public functions, as ``TORCH_GDR_BACKEND`` does:
+    the same outputs as the plain name, those of the recurrence, and the named backend's
+    error for a call it cannot serve (so the name is taken as named, not dropped)."""
+    from torch_gdr.dispatch import BackendError, requested_backend
+    from torch_gdr.ref import naive_recurrent_gated_delta_rule
+
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    assert requested_backend(written) == name
+    x = make_inputs(batch_size=2, seq_len=5, num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                    dtype=torch.float32)
+    exact_o, _ = naive_recurrent_gated_delta_rule(**{n: t.double() for n, t in x.items()})
+    for function in (torch_gdr.chunk_gated_delta_rule, torch_gdr.fused_recurrent_gated_delta_rule):
+        got, _ = function(**x, backend=written)
+        want, _ = function(**x, backend=name)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(got.double(), exact_o, atol=1e-5, rtol=1e-5)
+    if name in NAMED_REFUSALS:
+        changes, reason = NAMED_REFUSALS[name]
+        refused = {n: t.to(changes["dtype"]) for n, t in x.items()} if "dtype" in changes else dict(x, **changes)
+        with pytest.raises(BackendError, match=rf"^backend '{name}' cannot serve .*{reason}"):
+            torch_gdr.chunk_gated_delta_rule(**refused, backend=written)

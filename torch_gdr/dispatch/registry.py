@@ -9,9 +9,9 @@
 |             | PyPTO's interpreter                                         |                    |
 | "fla"       | fla-core's Triton kernels (``gdr::_fla_*``)                 | CUDA tensors       |
 
-``backend=None`` takes ``TORCH_GDR_BACKEND`` when it is set (case and surrounding blanks do
-not matter), else the first backend of the device's order (:data:`DEVICE_ORDERS`) that
-serves the call. The policy:
+``backend=None`` takes ``TORCH_GDR_BACKEND`` when it is set, else the first backend of the device's order (:data:`DEVICE_ORDERS`) that
+serves the call; in ``backend=`` and the variable alike, case and surrounding blanks do not
+matter (``" CPU "`` names ``"cpu"``). The policy:
 
 - a backend the caller named (``backend=`` or the variable) that cannot serve a call raises
   its :class:`~torch_gdr._fallback.BackendError` with every reason;
@@ -81,18 +81,25 @@ def device_order(entry: str, device: torch.device) -> tuple[str, ...]:
     return DEVICE_ORDERS.get((entry, device.type), (UNIVERSAL_BACKEND,))
 
 
+def backend_name(backend: str) -> str:
+    """A backend's name as the caller wrote it, without surrounding blanks and in lower case
+    (``" CPU "`` names ``"cpu"``), for ``backend=`` and ``TORCH_GDR_BACKEND`` alike."""
+    return backend.strip().lower()
+
+
 def requested_backend(backend: Optional[str]) -> Optional[str]:
-    """The backend the caller named: ``backend``, else ``TORCH_GDR_BACKEND``, else None.
-    ``ValueError`` for a name that is not a backend."""
+    """The backend the caller named: ``backend``, else ``TORCH_GDR_BACKEND``, else None;
+    case and surrounding blanks do not matter in either. ``ValueError`` for a name that is
+    not a backend."""
     source = "backend"
     if backend is None:
-        backend = os.environ.get(BACKEND_ENV_VAR, "").strip().lower() or None
+        backend = os.environ.get(BACKEND_ENV_VAR, "")
         source = BACKEND_ENV_VAR
-        if backend is None:
+        if not backend.strip():
             return None
-    if not isinstance(backend, str) or backend not in BACKENDS:
+    if not isinstance(backend, str) or backend_name(backend) not in BACKENDS:
         raise ValueError(f"{source}: expected one of {sorted(BACKENDS)}, got {backend!r}")
-    return backend
+    return backend_name(backend)
 
 
 def default_backend(device: torch.device, entry: str = "chunk") -> str:

@@ -189,7 +189,7 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module (a transformers model or layer), got "
                         f"{type(model).__name__}")
-    check_backend("backend", backend)
+    backend = check_backend("backend", backend)
     check_chunk_size("chunk_size", chunk_size)
     chunk, recurrent = _make_kernels(backend, chunk_size)
     layers = [m for m in model.modules() if _is_gated_deltanet(m)]

@@ -31,17 +31,34 @@ def check_non_negative_int(argument: str, value: object) -> int:
 
 
 def check_backend(argument: str, backend: object) -> Optional[str]:
-    """``backend`` if it is None (the op's default) or the name of one of the op's backends."""
+    """``backend`` if it is None (the op's default), else the name of one of the op's backends
+    it names, as the op reads it (without surrounding blanks, in lower case: ``" CPU "`` is
+    ``"cpu"``)."""
     from torch_gdr.dispatch import BACKENDS
+    from torch_gdr.dispatch.registry import backend_name
 
     if backend is None:
         return None
     if not isinstance(backend, str):
         raise TypeError(f"{argument}: expected None or one of {sorted(BACKENDS)}, got {backend!r} "
                         f"({type(backend).__name__})")
-    if backend not in BACKENDS:
+    if backend_name(backend) not in BACKENDS:
         raise ValueError(f"{argument}: expected None or one of {sorted(BACKENDS)}, got {backend!r}")
-    return backend
+    return backend_name(backend)
+
+
+#: The parameter dtypes the layer takes (those of the op's inputs).
+LAYER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtype(argument: str, dtype: object) -> Optional[torch.dtype]:
+    """``dtype`` if it is None (torch's default) or a dtype the layer's parameters may have
+    (:data:`LAYER_DTYPES`); ``TypeError`` otherwise (an integer dtype, a string...)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in LAYER_DTYPES):
+        return dtype
+    names = ", ".join(str(d).replace("torch.", "") for d in LAYER_DTYPES)
+    raise TypeError(f"{argument}: expected None or a floating torch.dtype ({names}), got {dtype!r}"
+                    f"{'' if isinstance(dtype, torch.dtype) else f' ({type(dtype).__name__})'}")
 
 
 def check_chunk_size(argument: str, chunk_size: object) -> int:

@@ -12,8 +12,8 @@ from torch import nn
 
 from torch_gdr import functional as _functional
 from torch_gdr.dispatch.registry import smallest_chunk_size
-from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chunk_size, check_non_negative_int,
-                                  check_positive_int)
+from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chunk_size, check_dtype,
+                                  check_non_negative_int, check_positive_int)
 from torch_gdr.nn.cache import CacheKey, GatedDeltaNetCache
 from torch_gdr.nn.norm import GatedRMSNorm
 from torch_gdr.nn.pool_cache import GatedDeltaNetPoolBatch, GatedDeltaNetPoolCache
@@ -127,9 +127,10 @@ class GatedDeltaNet(nn.Module):
         if layer_idx is not None and layer_idx < 0:
             raise ValueError(f"layer_idx: expected None or an int >= 0, got {layer_idx}")
         check_chunk_size("chunk_size", chunk_size)
-        check_backend("backend", backend)
-        check_backend("decode_backend", decode_backend)
+        backend = check_backend("backend", backend)
+        decode_backend = check_backend("decode_backend", decode_backend)
         check_non_negative_int("recurrent_max_len", recurrent_max_len)
+        check_dtype("dtype", dtype)
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_k_heads = num_heads

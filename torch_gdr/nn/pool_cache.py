@@ -122,9 +122,13 @@ class GatedDeltaNetPoolCache:
             ``[len(request_ids)]`` int64, the rows (the same row in every layer's pools).
 
         Raises:
+            TypeError: a ``str`` or ``bytes`` of ids (its characters would be taken as ids).
             ValueError: a request id already allocated or given twice, or fewer free slots
                 than requests (nothing is allocated then).
         """
+        if isinstance(request_ids, (str, bytes, bytearray)):
+            raise TypeError(f"request_ids: expected an iterable of request ids (a list, e.g. [{request_ids!r}]), got a "
+                            f"{type(request_ids).__name__}, {request_ids!r}, whose characters would be taken as ids")
         request_ids = list(request_ids)
         for request_id in request_ids:
             if request_id in self.home_rows:

@@ -185,3 +185,40 @@ def test_pypto_public_call_matches_reference_and_caches(monkeypatch: pytest.Monk
     info = kernel_cache.cache_info()
     assert (info.misses, info.hits, len(info.keys)) == (1, 1, 1)
     assert info.keys[0].num_seqs == 2 and info.keys[0].num_v_heads == 2 and info.keys[0].chunk_size == 64
+
+
+def _kernel_failing_at_run_time(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The "pypto" backend (``may_fail``) serves every call it takes, and its chunked kernel
+    raises inside the call: a failure at run time, not a reason found at selection."""
+    message = "simulated kernel failure at run time"
+
+    def failing_forward(*args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(BACKENDS["pypto"], "extra_reasons", None)  # installed or not: served
+    monkeypatch.setattr(BACKENDS["pypto"], "forward_op", failing_forward)
+    return message
+
+
+@on_pypto_device
+def test_strict_mode_raises_for_a_kernel_failing_at_run_time(npu_host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A may_fail backend chosen by default whose kernel fails inside the call: in strict
+    mode the call raises the backend's error (with the failure as its cause); without it, one
+    warning and the "torch" backend's result, the recurrence's."""
+    from torch_gdr.ref import naive_recurrent_gated_delta_rule
+
+    message = _kernel_failing_at_run_time(monkeypatch)
+    inputs = _inputs(seqlens=[5, 3], head_k_dim=64, head_v_dim=64)
+    monkeypatch.setenv("TORCH_GDR_STRICT", "1")
+    with pytest.raises(PyptoBackendError, match=rf"backend 'pypto' cannot serve .*RuntimeError: {message}") as info:
+        torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.delenv("TORCH_GDR_STRICT")
+    with pytest.warns(PyptoFallbackWarning, match=re.escape(message)):
+        o, s = torch_gdr.chunk_gated_delta_rule(**inputs, output_final_state=True)
+    exact_o, exact_s = naive_recurrent_gated_delta_rule(
+        **{n: (t.double() if t.is_floating_point() else t) for n, t in inputs.items()})
+    torch.testing.assert_close(o.double(), exact_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.double(), exact_s, atol=1e-5, rtol=1e-5)
+    with pytest.raises(PyptoBackendError, match=re.escape(message)):  # named: an error too
+        torch_gdr.chunk_gated_delta_rule(**inputs, backend="pypto")

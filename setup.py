@@ -35,7 +35,7 @@ VARIANTS = runpy.run_path(os.path.join(HERE, CPU_DIR, "_variants.py"))
 
 
 def note(message: str) -> None:
-    """A line to the build's log (pip shows it with -v, and on failure)."""
+    """A line to the build's log (pip shows it with -v, as the Makefile asks, and on failure)."""
     print(f"torch_gdr setup: {message}", file=sys.stderr, flush=True)
 
 
@@ -110,6 +110,9 @@ def cpu_extensions() -> tuple[list, dict]:
                 note(f"no working C++ compiler: {problem}; the fused CPU kernels are not prebuilt "
                      "(installing without them)")
             else:
+                note(f"building the fused CPU kernels for torch {torch.__version__}, variants "
+                     f"{', '.join(ext.name.rpartition('.')[2][len('_C_'):] for ext in self.extensions)} "
+                     "(TORCH_GDR_CPU_VARIANTS selects them; minutes each on a loaded machine)")
                 try:
                     super().run()
                 except Exception as exc:  # noqa: BLE001 - the install goes on without kernels
@@ -122,8 +125,12 @@ def cpu_extensions() -> tuple[list, dict]:
             # every variant compiles the same sources: separate object directories
             shared_temp = self.build_temp
             self.build_temp = os.path.join(shared_temp, ext.name)
+            position = f"{self.extensions.index(ext) + 1} of {len(self.extensions)}"
             try:
-                super().build_extension(ext)
+                # a line when it starts and ends, and a heartbeat while it compiles (minutes)
+                with VARIANTS["progress"](note, f"compiling the {variant!r} variant of the fused CPU kernels "
+                                                f"({position})"):
+                    super().build_extension(ext)
             except Exception as exc:  # noqa: BLE001 - this variant only is left out
                 note(f"the {variant!r} variant of the fused CPU kernels failed to build ({type(exc).__name__}: "
                      f"{exc}); installing without it")

@@ -78,14 +78,7 @@ _state = _Outcome()
 
 def _cpu_flags() -> Optional[frozenset[str]]:
     """The instruction-set flags of this CPU (Linux), or None where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
+    return _variants.cpu_flags()
 
 
 def variant() -> str:

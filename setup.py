@@ -27,6 +27,14 @@ import tempfile
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools before 70.1: the wheel package's, where installed
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_PACKAGE = "torch_gdr.ops.cpu"
 CPU_DIR = os.path.join("torch_gdr", "ops", "cpu")
@@ -168,7 +176,30 @@ def cpu_extensions() -> tuple[list, dict]:
                 outputs.append(os.path.join(self.build_lib, CPU_DIR, VARIANTS["METADATA_FILE"]))
             return outputs
 
-    return extensions, {"build_ext": BuildCpuKernels}
+    commands: dict = {"build_ext": BuildCpuKernels}
+    if bdist_wheel is not None:
+        commands["bdist_wheel"] = WheelOfWhatWasBuilt
+    return extensions, commands
+
+
+def _holds_binary(directory: str) -> bool:
+    """Whether ``directory`` holds a compiled extension module."""
+    return any(name.endswith((".so", ".pyd")) for _, _, names in os.walk(directory) for name in names)
+
+
+if bdist_wheel is not None:
+    class WheelOfWhatWasBuilt(bdist_wheel):
+        """A wheel tagged for what it holds: where no variant of the kernels was built (no
+        working compiler, every variant failed) it holds no binary and is ``py3-none-any``,
+        like a wheel built without torch, rather than tied to this interpreter and platform."""
+
+        def run_command(self, command: str) -> None:
+            super().run_command(command)
+            # the build is installed into bdist_dir now; the tag and the WHEEL file come after
+            if command == "install" and not self.root_is_pure and not _holds_binary(self.bdist_dir):
+                note("no fused CPU kernel was built: the wheel holds none and is tagged py3-none-any "
+                     "(the kernels are built at first use)")
+                self.root_is_pure = True
 
 
 ext_modules, cmdclass = cpu_extensions()

@@ -134,10 +134,9 @@ def source_hash(source_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def progress(say: Callable[[str], None], what: str, interval: Optional[float] = None) -> Iterator[None]:
-    """Report a long step: ``say`` a line when it starts, one every ``interval`` seconds
-    (default :data:`HEARTBEAT_SECONDS`) while it runs, from a background thread, and one when
-    it ends (with its duration, and whether it raised)."""
+def heartbeat(say: Callable[[str], None], what: str, interval: Optional[float] = None) -> Iterator[None]:
+    """While the body runs, ``say`` "<what>: still running (N s so far)" every ``interval``
+    seconds (default :data:`HEARTBEAT_SECONDS`), from a background thread that ends with it."""
     interval = HEARTBEAT_SECONDS if interval is None else interval
     start = time.monotonic()
     done = threading.Event()
@@ -146,16 +145,28 @@ def progress(say: Callable[[str], None], what: str, interval: Optional[float] = 
         while not done.wait(interval):
             say(f"{what}: still running ({time.monotonic() - start:.0f} s so far)")
 
-    say(f"{what}: started")
-    beater = threading.Thread(target=beat, name="torch_gdr-build-progress", daemon=True)
+    beater = threading.Thread(target=beat, name="torch_gdr-heartbeat", daemon=True)
     beater.start()
-    failed = True
     try:
         yield
-        failed = False
     finally:
         done.set()
         beater.join()
+
+
+@contextlib.contextmanager
+def progress(say: Callable[[str], None], what: str, interval: Optional[float] = None) -> Iterator[None]:
+    """Report a long step: ``say`` a line when it starts, one every ``interval`` seconds
+    while it runs (:func:`heartbeat`), and one when it ends (with its duration, and whether
+    it raised)."""
+    start = time.monotonic()
+    say(f"{what}: started")
+    failed = True
+    try:
+        with heartbeat(say, what, interval):
+            yield
+        failed = False
+    finally:
         say(f"{what}: {'failed' if failed else 'done'} after {time.monotonic() - start:.0f} s")
 
 

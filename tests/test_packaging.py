@@ -360,6 +360,50 @@ def _source_copy(destination: Path) -> Path:
     return destination
 
 
+# answers --version and compiles setup.py's probe, then refuses to compile the kernels
+_KERNEL_REFUSING_COMPILER = """#!/bin/sh
+case "$1" in --version|-v|-dumpfullversion|-dumpversion) echo "12.2.0"; exit 0;; esac
+for arg in "$@"; do case "$arg" in *probe.cpp) exit 0;; esac; done
+echo "deliberately refusing to compile: $*" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize("compiler", ["false", "refuses the kernels"])
+def test_a_wheel_without_a_kernel_built_is_tagged_for_any_platform(tmp_path, compiler) -> None:
+    """``pip wheel --no-build-isolation`` (torch importable, so the kernels are tried) where
+    the compiler does not run, or fails on the kernels: the wheel holds no binary and is
+    ``py3-none-any``. Calls the build hook pip calls (setuptools' legacy backend), without pip."""
+    if not (REPO / "setup.py").exists():
+        pytest.skip("needs the project's source tree")
+    source = _source_copy(tmp_path / "source")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    if compiler != "false":
+        script = tmp_path / "refusing-c++"
+        script.write_text(_KERNEL_REFUSING_COMPILER)
+        script.chmod(0o755)
+        compiler = str(script)
+    env = dict(os.environ, CXX=compiler, TORCH_GDR_CPU_VARIANTS=_build.variant(),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    hook = f"from setuptools.build_meta import __legacy__ as b; print(b.build_wheel({str(wheels)!r}))"
+    built = subprocess.run([sys.executable, "-c", hook], cwd=source, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name == "torch_gdr-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+    assert "Root-Is-Purelib: true" in metadata and "Tag: py3-none-any" in metadata
+    assert not [n for n in names if n.endswith((".so", ".pyd")) or n.endswith(_variants.METADATA_FILE)]
+    assert all(f"torch_gdr/ops/cpu/csrc/{n}" in names for n in _variants.SOURCES + _variants.HEADERS)
+    if compiler != "false":  # the variant's build was tried: a line when it started and when it failed
+        log = built.stdout + built.stderr
+        assert f"compiling the {_build.variant()!r} variant of the fused CPU kernels (1 of 1): started" in log
+        assert "(1 of 1): failed after" in log
+
+
 @pytest.mark.slow
 def test_a_wheel_installs_the_kernels_prebuilt(tmp_path) -> None:
     if not (REPO / "setup.py").exists():

@@ -16,9 +16,19 @@ PYTEST_ARGS ?=
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Not quiet: pip says what it collects and installs (a line every 15 s while it unpacks,
+# which it does without a word: torch alone takes half a minute on a loaded machine), and the
+# kernels' build (-v shows setup.py's lines) says when each variant starts and ends, with a
+# line every 15 s while it compiles. Only the variant this CPU runs is built here
+# (TORCH_GDR_CPU_VARIANTS, unless set already; `python torch_gdr/ops/cpu/_variants.py` prints
+# it); wheels build them all.
 $(VENV)/.installed: setup.py requirements-dev.txt | $(PY)
-	$(PIP) install -q -r requirements-dev.txt
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-deps --no-build-isolation -e .
+	( n=0; while sleep 15 >/dev/null 2>&1; do n=$$((n + 15)); echo "make: pip install still running ($$n s)"; done ) & beat=$$!; \
+		$(PIP) install -r requirements-dev.txt; status=$$?; kill $$beat; exit $$status
+	variants="$${TORCH_GDR_CPU_VARIANTS-$$($(PY) torch_gdr/ops/cpu/_variants.py)}" && \
+		echo "torch_gdr: installing editable, building the fused CPU kernels for: $${variants:-none}" && \
+		PATH="$(abspath $(VENV))/bin:$$PATH" TORCH_GDR_CPU_VARIANTS="$$variants" \
+		$(PIP) install -v --no-deps --no-build-isolation -e .
 	touch $@
 
 run: $(VENV)/.installed

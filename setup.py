@@ -27,6 +27,14 @@ import tempfile
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools before 70.1: the wheel package's, where installed
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_PACKAGE = "torch_gdr.ops.cpu"
 CPU_DIR = os.path.join("torch_gdr", "ops", "cpu")
@@ -35,7 +43,7 @@ VARIANTS = runpy.run_path(os.path.join(HERE, CPU_DIR, "_variants.py"))
 
 
 def note(message: str) -> None:
-    """A line to the build's log (pip shows it with -v, and on failure)."""
+    """A line to the build's log (pip shows it with -v, as the Makefile asks, and on failure)."""
     print(f"torch_gdr setup: {message}", file=sys.stderr, flush=True)
 
 
@@ -110,6 +118,9 @@ def cpu_extensions() -> tuple[list, dict]:
                 note(f"no working C++ compiler: {problem}; the fused CPU kernels are not prebuilt "
                      "(installing without them)")
             else:
+                note(f"building the fused CPU kernels for torch {torch.__version__}, variants "
+                     f"{', '.join(ext.name.rpartition('.')[2][len('_C_'):] for ext in self.extensions)} "
+                     "(TORCH_GDR_CPU_VARIANTS selects them; minutes each on a loaded machine)")
                 try:
                     super().run()
                 except Exception as exc:  # noqa: BLE001 - the install goes on without kernels
@@ -122,8 +133,12 @@ def cpu_extensions() -> tuple[list, dict]:
             # every variant compiles the same sources: separate object directories
             shared_temp = self.build_temp
             self.build_temp = os.path.join(shared_temp, ext.name)
+            position = f"{self.extensions.index(ext) + 1} of {len(self.extensions)}"
             try:
-                super().build_extension(ext)
+                # a line when it starts and ends, and a heartbeat while it compiles (minutes)
+                with VARIANTS["progress"](note, f"compiling the {variant!r} variant of the fused CPU kernels "
+                                                f"({position})"):
+                    super().build_extension(ext)
             except Exception as exc:  # noqa: BLE001 - this variant only is left out
                 note(f"the {variant!r} variant of the fused CPU kernels failed to build ({type(exc).__name__}: "
                      f"{exc}); installing without it")
@@ -161,7 +176,30 @@ def cpu_extensions() -> tuple[list, dict]:
                 outputs.append(os.path.join(self.build_lib, CPU_DIR, VARIANTS["METADATA_FILE"]))
             return outputs
 
-    return extensions, {"build_ext": BuildCpuKernels}
+    commands: dict = {"build_ext": BuildCpuKernels}
+    if bdist_wheel is not None:
+        commands["bdist_wheel"] = WheelOfWhatWasBuilt
+    return extensions, commands
+
+
+def _holds_binary(directory: str) -> bool:
+    """Whether ``directory`` holds a compiled extension module."""
+    return any(name.endswith((".so", ".pyd")) for _, _, names in os.walk(directory) for name in names)
+
+
+if bdist_wheel is not None:
+    class WheelOfWhatWasBuilt(bdist_wheel):
+        """A wheel tagged for what it holds: where no variant of the kernels was built (no
+        working compiler, every variant failed) it holds no binary and is ``py3-none-any``,
+        like a wheel built without torch, rather than tied to this interpreter and platform."""
+
+        def run_command(self, command: str) -> None:
+            super().run_command(command)
+            # the build is installed into bdist_dir now; the tag and the WHEEL file come after
+            if command == "install" and not self.root_is_pure and not _holds_binary(self.bdist_dir):
+                note("no fused CPU kernel was built: the wheel holds none and is tagged py3-none-any "
+                     "(the kernels are built at first use)")
+                self.root_is_pure = True
 
 
 ext_modules, cmdclass = cpu_extensions()

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,24 @@ def test_a_backend_that_raises_fails_the_run(monkeypatch, capsys) -> None:
                         dataclasses.replace(torch_gdr.dispatch.BACKENDS["recurrent"], forward_op=raising))
     assert main(SMALL) == 1
     assert "simulated kernel failure" in capsys.readouterr().out
+
+
+def test_a_slow_backend_row_is_not_silent(monkeypatch, capsys) -> None:
+    """A row that takes minutes (PyPTO's first run under load) prints a line every
+    HEARTBEAT_SECONDS while it runs: `make run` is never silent for long."""
+    from torch_gdr.ops.cpu import _variants
+
+    real = torch_gdr.dispatch.BACKENDS["recurrent"]
+
+    def slow(*args):
+        time.sleep(0.4)
+        return real.forward_op(*args)
+
+    monkeypatch.setattr(_variants, "HEARTBEAT_SECONDS", 0.05)
+    monkeypatch.setitem(torch_gdr.dispatch.BACKENDS, "recurrent", dataclasses.replace(real, forward_op=slow))
+    assert main([*SMALL[:-2], "recurrent"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("recurrent on cpu: still running") >= 3
 
 
 def test_python_dash_m_exits_nonzero_with_a_broken_backend() -> None:

@@ -4,6 +4,7 @@ running CPU picks a portable variant, and where no module can be had the reason 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -11,6 +12,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -154,6 +158,146 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, refu
     assert outcome == [None] and "build failed" in fresh_build.unavailable_reason()
 
 
+# --- saying so before a first-use build compiles --------------------------------------------
+
+@pytest.fixture
+def compiling(fresh_build, monkeypatch):
+    """A first-use build that takes a moment, as a compile does, and leaves its module in the
+    build directory, without running a compiler: it yields this CPU's install-time module.
+    The calls it gets are recorded in the returned list."""
+    try:
+        module = importlib.import_module(f"torch_gdr.ops.cpu._C_{_build.variant()}")
+    except ImportError:
+        pytest.skip("needs this CPU's install-time module (make run builds it)")
+    from torch.utils import cpp_extension
+
+    calls: list[dict] = []
+
+    def slow_load(**kwargs):
+        calls.append(kwargs)
+        time.sleep(0.4)
+        Path(kwargs["build_directory"], f"{kwargs['name']}.so").touch()
+        return module
+
+    monkeypatch.setattr(fresh_build, "_toolchain_problem", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", slow_load)
+    monkeypatch.setattr(fresh_build, "HEARTBEAT_SECONDS", 0.05)
+    return calls
+
+
+def _first_calls(threads: int) -> tuple[list, list[warnings.WarningMessage]]:
+    """``threads`` concurrent first calls of the public forward on CPU float32 tensors; their
+    errors against the float64 recurrence and every warning they raised."""
+    from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+    from torch_gdr.testing import make_inputs, rmse_ratio
+
+    x = make_inputs(seq_len=40, num_qk_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, dtype=torch.float32,
+                    normalize_qk=True, seed=5)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    expected, _ = naive_recurrent_gated_delta_rule(*(t.double() for t in args))
+    errors: list = []
+    start = threading.Barrier(threads)
+
+    def first_call() -> None:
+        start.wait()
+        o, _ = torch_gdr.chunk_gated_delta_rule(*args)
+        errors.append(rmse_ratio(expected, o))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        workers = [threading.Thread(target=first_call) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+    return errors, list(caught)
+
+
+def test_a_first_use_build_warns_once_before_it_compiles_even_in_strict_mode(
+        fresh_build, compiling, monkeypatch, capfd, tmp_path) -> None:
+    monkeypatch.setenv("TORCH_GDR_STRICT", "1")  # a note, not a fallback: no error
+    passed_over = "the install-time build is for torch 0.0.1, this is another"
+    monkeypatch.setattr(fresh_build, "_prebuilt", lambda name: (None, passed_over))
+    errors, caught = _first_calls(threads=2)
+    assert len(errors) == 2 and all(e < FP32_BOUND for e in errors)
+    assert len(compiling) == 1
+    builds = [w for w in caught if issubclass(w.category, torch_gdr.CpuKernelBuildWarning)]
+    assert len(builds) == 1, [str(w.message) for w in caught]
+    assert issubclass(torch_gdr.CpuKernelBuildWarning, UserWarning)
+    message = str(builds[0].message)
+    # what (the variant, where), why (the install-time build passed over), how to prebuild
+    assert repr(_build.variant()) in message and str(tmp_path / "cache") in message
+    assert passed_over in message and "--no-build-isolation" in message
+    assert fresh_build.origin().startswith("built at first use")
+    # progress while it compiled: a start, lines every HEARTBEAT_SECONDS, an end
+    err = capfd.readouterr().err
+    assert "compiling the fused CPU kernels" in err and err.count("still running") >= 2 and "done after" in err
+
+
+def test_a_build_found_in_the_cache_loads_without_a_word(fresh_build, compiling, capfd) -> None:
+    directory = fresh_build.build_dir()
+    directory.mkdir(parents=True)
+    (directory / f"torch_gdr_cpu_{directory.name}.so").touch()  # an earlier process built it
+    errors, caught = _first_calls(threads=1)
+    assert errors and errors[0] < FP32_BOUND and len(compiling) == 1
+    assert not [w for w in caught if issubclass(w.category, torch_gdr.CpuKernelBuildWarning)]
+    assert "compiling" not in capfd.readouterr().err
+
+
+def test_a_long_step_reports_while_it_runs_and_stops_after() -> None:
+    lines: list[str] = []
+    with _variants.progress(lines.append, "step", interval=0.03):
+        time.sleep(0.2)
+    assert lines[0] == "step: started" and lines[-1].startswith("step: done after")
+    assert sum("still running" in line for line in lines) >= 3
+    count = len(lines)
+    time.sleep(0.1)
+    assert len(lines) == count  # the heartbeat ended with the step
+    with pytest.raises(KeyError), _variants.progress(lines.append, "bad", interval=10):
+        raise KeyError("x")
+    assert lines[-1].startswith("bad: failed after")
+
+
+# --- make run: the install says what it does, and builds this CPU's variant ------------------
+
+_FAKE_VENV_PYTHON = """#!{python}
+# the venv's python as the Makefile calls it: scripts run for real, pip calls are recorded
+import json, os, subprocess, sys
+if sys.argv[1:3] != ["-m", "pip"]:
+    sys.exit(subprocess.call([{python!r}, *sys.argv[1:]]))
+with open({log!r}, "a", encoding="utf-8") as f:
+    f.write(json.dumps({{"args": sys.argv[3:], "variants": os.environ.get("TORCH_GDR_CPU_VARIANTS")}}) + "\\n")
+"""
+
+
+def _make_install(tmp_path: Path, name: str) -> list[dict]:
+    """``make`` of the install step with a venv whose python records its pip calls."""
+    venv, log = tmp_path / name, tmp_path / f"{name}.jsonl"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(_FAKE_VENV_PYTHON.format(python=sys.executable, log=str(log)))
+    python.chmod(0o755)
+    done = subprocess.run(["make", "-C", str(REPO), f"VENV={venv}", f"{venv}/.installed"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+def test_make_installs_this_cpus_variant_and_shows_what_pip_does(tmp_path, monkeypatch) -> None:
+    if shutil.which("make") is None or not (REPO / "Makefile").is_file():
+        pytest.skip("needs make and the project's source tree")
+    monkeypatch.delenv("TORCH_GDR_CPU_VARIANTS", raising=False)
+    calls = _make_install(tmp_path, "venv")
+    assert len(calls) == 2 and all("install" in c["args"] for c in calls)
+    for call in calls:  # pip's progress shown: never quiet
+        assert not any(a in ("-q", "--quiet") or (a.startswith("-q") and set(a[1:]) == {"q"}) for a in call["args"])
+    editable = calls[-1]
+    assert "-e" in editable["args"] and "-v" in editable["args"]  # -v: setup.py's build lines shown
+    assert editable["variants"] == _build.variant()  # only the variant this CPU runs
+    monkeypatch.setenv("TORCH_GDR_CPU_VARIANTS", "")  # a choice already made is kept
+    assert _make_install(tmp_path, "venv2")[-1]["variants"] == ""
+
+
 # --- whether an install-time module fits ----------------------------------------------------
 
 def _record(**changes) -> dict:
@@ -214,6 +358,50 @@ def _source_copy(destination: Path) -> Path:
     shutil.copytree(REPO / "torch_gdr", destination / "torch_gdr",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", _variants.METADATA_FILE))
     return destination
+
+
+# answers --version and compiles setup.py's probe, then refuses to compile the kernels
+_KERNEL_REFUSING_COMPILER = """#!/bin/sh
+case "$1" in --version|-v|-dumpfullversion|-dumpversion) echo "12.2.0"; exit 0;; esac
+for arg in "$@"; do case "$arg" in *probe.cpp) exit 0;; esac; done
+echo "deliberately refusing to compile: $*" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize("compiler", ["false", "refuses the kernels"])
+def test_a_wheel_without_a_kernel_built_is_tagged_for_any_platform(tmp_path, compiler) -> None:
+    """``pip wheel --no-build-isolation`` (torch importable, so the kernels are tried) where
+    the compiler does not run, or fails on the kernels: the wheel holds no binary and is
+    ``py3-none-any``. Calls the build hook pip calls (setuptools' legacy backend), without pip."""
+    if not (REPO / "setup.py").exists():
+        pytest.skip("needs the project's source tree")
+    source = _source_copy(tmp_path / "source")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    if compiler != "false":
+        script = tmp_path / "refusing-c++"
+        script.write_text(_KERNEL_REFUSING_COMPILER)
+        script.chmod(0o755)
+        compiler = str(script)
+    env = dict(os.environ, CXX=compiler, TORCH_GDR_CPU_VARIANTS=_build.variant(),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    hook = f"from setuptools.build_meta import __legacy__ as b; print(b.build_wheel({str(wheels)!r}))"
+    built = subprocess.run([sys.executable, "-c", hook], cwd=source, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name == "torch_gdr-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+    assert "Root-Is-Purelib: true" in metadata and "Tag: py3-none-any" in metadata
+    assert not [n for n in names if n.endswith((".so", ".pyd")) or n.endswith(_variants.METADATA_FILE)]
+    assert all(f"torch_gdr/ops/cpu/csrc/{n}" in names for n in _variants.SOURCES + _variants.HEADERS)
+    if compiler != "false":  # the variant's build was tried: a line when it started and when it failed
+        log = built.stdout + built.stderr
+        assert f"compiling the {_build.variant()!r} variant of the fused CPU kernels (1 of 1): started" in log
+        assert "(1 of 1): failed after" in log
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import torch_gdr
 from torch_gdr.dispatch import BACKENDS, CallSpec
+from torch_gdr.ops.cpu._variants import heartbeat
 from torch_gdr.ref import naive_recurrent_gated_delta_rule
 
 #: Backends timed by one call each (the per-token recurrence in Python, PyPTO's interpreter):
@@ -296,8 +297,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "machine)")
         say(f"[{i}/{len(targets)}] {backend} on {device}: forward, then timing forward and forward + backward ...")
         start = time.perf_counter()
-        row = check_backend(backend, device, workload, 1 if backend in SLOW_BACKENDS else args.repeats,
-                            args.tolerance)
+        with heartbeat(say, f"    {backend} on {device}"):  # a row can take minutes on a loaded machine
+            row = check_backend(backend, device, workload, 1 if backend in SLOW_BACKENDS else args.repeats,
+                                args.tolerance)
         verdict = "ok" if row.ok else (row.note or "FAILED")
         say(f"    {verdict}: max|Δo| / max|o| {row.rel_err_o:.1e}, max|Δstate| / max|state| {row.rel_err_state:.1e} "
             f"({time.perf_counter() - start:.1f} s)")

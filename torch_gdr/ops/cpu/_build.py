@@ -27,6 +27,11 @@ remembered: :func:`load` returns the same module (or None) from then on, :func:`
 says where it came from and :func:`unavailable_reason` why there is none: no working C++
 compiler, no ninja, a failed build (its output is in a log file named in the reason), or
 sources missing from the installation.
+
+A first-use build that compiles (nothing in the cache yet) takes a minute or more: before it
+starts, the process warns once with :class:`CpuKernelBuildWarning` (what is built, why, and
+how to build it ahead of time), and while it compiles it prints a line to stderr every
+:data:`HEARTBEAT_SECONDS`. Loading an earlier build from the cache says nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, Optional
@@ -60,6 +67,14 @@ _HEADERS = _variants.HEADERS
 BUILD_LOG = "build.log"
 #: The file of the build directory that processes lock while one of them builds.
 BUILD_LOCK = "build.flock"
+#: Seconds between two "still running" lines to stderr while a first-use build compiles.
+HEARTBEAT_SECONDS = _variants.HEARTBEAT_SECONDS
+
+
+class CpuKernelBuildWarning(UserWarning):
+    """The fused CPU kernels are being compiled at first use (a minute or more, once per
+    torch, compiler and sources): no install-time build fits this process. Informational:
+    ``TORCH_GDR_STRICT`` does not make it an error; filter it with the ``warnings`` module."""
 
 
 @dataclasses.dataclass
@@ -78,14 +93,7 @@ _state = _Outcome()
 
 def _cpu_flags() -> Optional[frozenset[str]]:
     """The instruction-set flags of this CPU (Linux), or None where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
+    return _variants.cpu_flags()
 
 
 def variant() -> str:
@@ -196,9 +204,27 @@ def _exclusive(directory: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _build_at_first_use() -> tuple[Optional[ModuleType], Optional[str]]:
+def _say(line: str) -> None:
+    """A progress line of the first-use build, to stderr."""
+    print(f"torch_gdr: {line}", file=sys.stderr, flush=True)
+
+
+def _announce(directory: Path, passed_over: Optional[str]) -> None:
+    """Warn, before a first-use build compiles, what it builds, why and how to prebuild."""
+    why = passed_over or ("no install-time build is installed (a wheel built with pip's build isolation "
+                          "carries the C++ sources only)")
+    warnings.warn(
+        f"torch_gdr: compiling the fused CPU kernels (the {variant()!r} variant, for torch {torch.__version__}) "
+        f"into {directory}: {why}. This takes a minute or more, once; later processes load the build from "
+        "there. To build them ahead of time, install torch_gdr with `pip install --no-build-isolation` into an "
+        "environment that has torch and a C++ compiler, or run `python -m torch_gdr --no-pypto` once.",
+        CpuKernelBuildWarning, stacklevel=4)
+
+
+def _build_at_first_use(passed_over: Optional[str] = None) -> tuple[Optional[ModuleType], Optional[str]]:
     """Build (or load the earlier build of) this CPU's variant in the cache: the module, or
-    None and the reason."""
+    None and the reason. ``passed_over``: why no install-time module was taken, if one was
+    there (the warning before a build says it)."""
     problem = _toolchain_problem()
     if problem is not None:
         return None, problem
@@ -207,10 +233,17 @@ def _build_at_first_use() -> tuple[Optional[ModuleType], Optional[str]]:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / BUILD_LOG
+    name = f"torch_gdr_cpu_{directory.name}"
+    # an earlier build in the cache loads in a moment: only a build that compiles is announced
+    compiles = not any((directory / f"{name}{suffix}").is_file() for suffix in (".so", ".pyd"))
+    if compiles:
+        _announce(directory, passed_over)
+    reporting = _variants.progress(_say, f"compiling the fused CPU kernels ({variant()!r} variant) into {directory}",
+                                   HEARTBEAT_SECONDS) if compiles else contextlib.nullcontext()
     try:
-        with _exclusive(directory):
+        with _exclusive(directory), reporting:
             module = cpp_extension.load(
-                name=f"torch_gdr_cpu_{directory.name}",
+                name=name,
                 sources=[str(_SOURCE_DIR / s) for s in _SOURCES],
                 extra_cflags=compile_flags(),
                 extra_ldflags=list(_variants.LINK_FLAGS),
@@ -239,7 +272,7 @@ def load() -> Optional[ModuleType]:
         if module is not None:
             _state.module, _state.origin = module, "prebuilt"
         else:
-            module, failure = _build_at_first_use()
+            module, failure = _build_at_first_use(passed_over)
             if module is not None:
                 _state.module, _state.origin = module, f"built at first use into {build_dir()}"
             else:

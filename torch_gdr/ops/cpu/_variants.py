@@ -9,15 +9,21 @@ variant with the compiler's default flags.
 
 Standard library only: ``setup.py`` runs this file by path, before torch_gdr (or even torch)
 is importable, so that the install-time build and the first-use build (:mod:`._build`)
-compile the same sources with the same flags.
+compile the same sources with the same flags, and report their progress alike
+(:func:`progress`). Run as a script (``python torch_gdr/ops/cpu/_variants.py``), it prints
+the variant this CPU runs, which the Makefile builds alone (torch's dispatch level is
+taken into account where torch is importable, as at run time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import platform
+import threading
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 #: The translation units of the extension, and the headers they include (under ``csrc/``).
 SOURCES: tuple[str, ...] = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp")
@@ -49,6 +55,10 @@ _TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}
 #: The file, beside the install-time built modules, that records what they were built from.
 METADATA_FILE = "_C_build.json"
 
+#: Seconds between two "still compiling" lines of a build (:func:`progress`): a compile of
+#: one variant takes minutes on a loaded machine, and a log silent that long looks hung.
+HEARTBEAT_SECONDS = 15.0
+
 
 def is_x86_64(machine: Optional[str] = None) -> bool:
     """Whether ``machine`` (default: this one, ``platform.machine()``) is x86-64."""
@@ -71,6 +81,18 @@ def compile_flags(variant: str, machine: Optional[str] = None) -> list[str]:
         raise ValueError(f"variant: expected one of {names(machine)} on this machine, got {variant!r}")
     extra = X86_FLAGS[variant] if is_x86_64(machine) else ()
     return [*COMMON_FLAGS, *extra]
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset[str]]:
+    """The CPU's features as ``cpuinfo`` (Linux) lists them, or None where it cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
 
 
 def choose(cpu_flags: Optional[frozenset[str]], torch_capability: Optional[str],
@@ -108,3 +130,57 @@ def source_hash(source_dir: Path) -> str:
         digest.update(name.encode() + b"\0")
         digest.update((source_dir / name).read_bytes())
     return digest.hexdigest()
+
+
+
+@contextlib.contextmanager
+def heartbeat(say: Callable[[str], None], what: str, interval: Optional[float] = None) -> Iterator[None]:
+    """While the body runs, ``say`` "<what>: still running (N s so far)" every ``interval``
+    seconds (default :data:`HEARTBEAT_SECONDS`), from a background thread that ends with it."""
+    interval = HEARTBEAT_SECONDS if interval is None else interval
+    start = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(interval):
+            say(f"{what}: still running ({time.monotonic() - start:.0f} s so far)")
+
+    beater = threading.Thread(target=beat, name="torch_gdr-heartbeat", daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beater.join()
+
+
+@contextlib.contextmanager
+def progress(say: Callable[[str], None], what: str, interval: Optional[float] = None) -> Iterator[None]:
+    """Report a long step: ``say`` a line when it starts, one every ``interval`` seconds
+    while it runs (:func:`heartbeat`), and one when it ends (with its duration, and whether
+    it raised)."""
+    start = time.monotonic()
+    say(f"{what}: started")
+    failed = True
+    try:
+        with heartbeat(say, what, interval):
+            yield
+        failed = False
+    finally:
+        say(f"{what}: {'failed' if failed else 'done'} after {time.monotonic() - start:.0f} s")
+
+
+def _torch_capability() -> Optional[str]:
+    """torch's CPU dispatch level where torch is importable (it caps the variant), else None."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - no torch: the CPU's features alone
+        return None
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - an old or unusual torch
+        return None
+
+
+if __name__ == "__main__":
+    print(choose(cpu_flags(), _torch_capability()))

@@ -260,27 +260,37 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
         if acc.shape[0] != num_seqs:
             raise ValueError(f"num_accepted_tokens: expected shape [N] = [{num_seqs}], got {_shape(acc)}")
     if idx.device.type == "cpu" or (acc is not None and acc.device.type == "cpu") or validate:
-        rows = _host(idx).reshape(num_seqs, width)
-        _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
-        read = [0] * num_seqs
-        if acc is not None:
-            counts = _host(acc)
-            bad = (counts < 1) | (counts > width)
-            if bool(bad.any()):
-                n = int(bad.nonzero()[0, 0])
-                raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
-                                 f"always accepted), got {int(counts[n])} at index {n}")
-            read = [c - 1 for c in counts.tolist()]
-        if lens is not None:  # which entries are written follows the lengths
-            table = rows.tolist()
-            writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
-                      for j in range(lens[n]) if in_place and table[n][j] >= 0]
-            reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
-                     if lens[n] > 0 and table[n][read[n]] >= 0]
-            _check_row_conflicts(writes, reads)
+        _check_decode_values(idx, acc, lens, slots, in_place)
     indices = idx.to(device=device, dtype=torch.int64).reshape(num_seqs, width)
     read_pos = None if acc is None else acc.to(device=device, dtype=torch.int64) - 1
     return PoolPlan(indices=indices, read_pos=read_pos, **common)
+
+
+def _check_decode_values(idx: Tensor, acc: Optional[Tensor], lens: Optional[Sequence[int]], slots: int,
+                         in_place: bool) -> None:
+    """The decode rules that read index values (on the host): rows in ``[-1, slots)``,
+    ``num_accepted_tokens`` in ``1..S``, and, where the lengths ``lens`` are known, no row
+    written twice nor written by one sequence and read by another."""
+    num_seqs = idx.shape[0]
+    width = 1 if idx.dim() == 1 else idx.shape[1]
+    rows = _host(idx).reshape(num_seqs, width)
+    _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
+    read = [0] * num_seqs
+    if acc is not None:
+        counts = _host(acc)
+        bad = (counts < 1) | (counts > width)
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
+                             f"always accepted), got {int(counts[n])} at index {n}")
+        read = [c - 1 for c in counts.tolist()]
+    if lens is not None:  # which entries are written follows the lengths
+        table = rows.tolist()
+        writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
+                  for j in range(lens[n]) if in_place and table[n][j] >= 0]
+        reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
+                 if lens[n] > 0 and table[n][read[n]] >= 0]
+        _check_row_conflicts(writes, reads)
 
 
 def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[Tensor],
@@ -341,6 +351,78 @@ def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[
 
 
 # ---------------------------------------------------------------------------------------------
+# The batched decode step's checks, traceable: values are read inside an op.
+
+
+def check_batched_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                         pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *,
+                         state_v_first: bool = False, validate: bool = True) -> tuple[Tensor, Tensor]:
+    """Check a decode call without ``cu_seqlens`` (B sequences of T tokens, or one of T
+    token-major) as :func:`check_pool_args` does, in a form ``torch.compile`` traces into one
+    graph that a varying batch does not recompile: the checks that read no index values run
+    here; those that do (rows in range, ``num_accepted_tokens`` in ``1..S``, no row written
+    twice, no row written by one sequence and read by another) run in the eager body of the
+    op ``gdr::_pool_decode_rows``, which raises their ``ValueError`` at run time, compiled
+    or not. Index values on a device are read (a host sync) unless ``validate=False``.
+
+    Returns:
+        ``(indices [N, S] int64, read_rows [N] int64)`` on the pool's device: the rows of
+        every token (1-D indices as ``[N, 1]``) and the row each sequence starts from
+        (``indices[n, num_accepted_tokens[n] - 1]``, or column 0).
+    """
+    check_inputs(q, k, v, g, beta, scale, None, None, 64, state_v_first)
+    num_v_heads, head_k_dim, head_v_dim = v.shape[-2], q.shape[-1], v.shape[-1]
+    _check_pool(pool, num_v_heads, head_k_dim, head_v_dim, state_v_first, q.device)
+    check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool)
+    num_seqs, seq_len = (1, q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[1])
+    idx = _check_index_tensor("ssm_state_indices", ssm_state_indices, q.device, (1, 2), "[N] or [N, S]")
+    if idx.shape[0] != num_seqs or (idx.dim() == 2 and idx.shape[1] < 1):
+        raise ValueError(f"ssm_state_indices: expected shape [N] or [N, S >= 1] with N = {num_seqs} sequences, got "
+                         f"{_shape(idx)}")
+    width = 1 if idx.dim() == 1 else idx.shape[1]
+    if seq_len > width:
+        if idx.dim() == 1:
+            raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
+                             f"0 has {seq_len}; pass [N, S] rows, one per token")
+        raise ValueError(f"ssm_state_indices: expected at most S = {width} tokens per sequence (one row each), but "
+                         f"sequence 0 has {seq_len}")
+    acc = None
+    if num_accepted_tokens is not None:
+        acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, q.device, (1,), "[N]")
+        if acc.shape[0] != num_seqs:
+            raise ValueError(f"num_accepted_tokens: expected shape [N] = [{num_seqs}], got {_shape(acc)}")
+    check = validate or idx.device.type == "cpu" or (acc is not None and acc.device.type == "cpu")
+    indices, read_rows = _decode_rows_op(idx, acc, int(pool.shape[0]), seq_len, check)
+    return indices.to(pool.device), read_rows.to(pool.device)
+
+
+def _decode_rows_impl(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], slots: int, seq_len: int,
+                      check: bool) -> tuple[Tensor, Tensor]:
+    """The op's eager body: with ``check``, the decode rules on the index values (every
+    sequence has ``seq_len`` tokens); then the rows as int64 ``[N, S]`` and the start rows."""
+    num_seqs = ssm_state_indices.shape[0]
+    if check:
+        _check_decode_values(ssm_state_indices, num_accepted_tokens, [seq_len] * num_seqs, slots, True)
+    indices = ssm_state_indices.to(torch.int64, copy=True).reshape(num_seqs, -1)
+    if num_accepted_tokens is None:
+        return indices, indices[:, 0].clone()
+    read_pos = num_accepted_tokens.to(device=indices.device, dtype=torch.int64) - 1
+    return indices, indices.gather(1, read_pos.view(-1, 1))[:, 0]
+
+
+_decode_rows_op = torch.library.custom_op("gdr::_pool_decode_rows", _decode_rows_impl, mutates_args=())
+
+
+@_decode_rows_op.register_fake
+def _decode_rows_fake(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], slots: int, seq_len: int,
+                      check: bool) -> tuple[Tensor, Tensor]:
+    num_seqs = ssm_state_indices.shape[0]
+    width = 1 if ssm_state_indices.dim() == 1 else ssm_state_indices.shape[1]
+    return (ssm_state_indices.new_empty((num_seqs, width), dtype=torch.int64),
+            ssm_state_indices.new_empty((num_seqs,), dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows in and out of the pool.
 
 
@@ -363,17 +445,25 @@ def pool_gather(pool: Tensor, initial_state_indices: Tensor, state_v_first: bool
 def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, state_v_first: bool = False) -> None:
     """Write key-first states ``[N, HV, K, V]`` (any float dtype; rounded to the pool's) into
     rows ``final_state_indices [N]`` of the pool, in place; rows -1 are skipped. Rows must be
-    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated. Rows -1
-    are dropped by a boolean mask, which on an accelerator is a host sync."""
+    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated.
+
+    Shapes follow N alone (no host read, no boolean mask: ``torch.compile`` traces it): a
+    skipped entry writes again what the first written entry writes, or, when none is
+    written, row 0 its own contents (the same bits)."""
     rows = final_state_indices.to(device=pool.device, dtype=torch.int64)
-    keep = rows >= 0
-    if not bool(keep.all()):
-        rows, states = rows[keep], states[keep]
     if rows.numel() == 0:
         return
+    values = states.to(pool.dtype)
     if state_v_first:
-        states = states.transpose(-1, -2)
-    pool.index_copy_(0, rows, states.to(pool.dtype))
+        values = values.transpose(-1, -2)
+    written = rows >= 0
+    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written entry; 0 when none
+    any_written = written.any()
+    spare_row = torch.where(any_written, rows.index_select(0, first), torch.zeros_like(first))
+    spare_value = torch.where(any_written, values.index_select(0, first), pool[:1])
+    targets = torch.where(written, rows, spare_row)
+    values = torch.where(written.view(-1, 1, 1, 1), values, spare_value)
+    pool.index_copy_(0, targets, values)
 
 
 def token_states_buffer(pool: Tensor, plan: PoolPlan) -> tuple[Tensor, Tensor]:
@@ -437,6 +527,9 @@ def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         ``o`` in the shape of v and dtype of v. Computed in float32 (float64 for float64
         inputs); states rounded to the pool's dtype when stored.
     """
+    if cu_seqlens is None:
+        return _batched_recurrent_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                       use_qk_l2norm_in_kernel, state_v_first, validate)
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                            validate=validate)
@@ -468,6 +561,39 @@ def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         state.index_copy_(0, seqs, s)
         pool_scatter(pool, indices[seqs, j], s, state_v_first)
     return o.to(v.dtype).reshape(v.shape)
+
+
+def _batched_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                            pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                            use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool) -> Tensor:
+    """:func:`pool_recurrent_step` without ``cu_seqlens``: B sequences of T tokens run in
+    lockstep, with no Python loop over the batch and no host read outside the checking op
+    (:func:`check_batched_decode`), so a compiled step serves any batch size."""
+    indices, read_rows = check_batched_decode(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                              state_v_first=state_v_first, validate=validate)
+    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    num_v_heads, head_k_dim = v.shape[-2], q.shape[-1]
+    scale = head_k_dim ** -0.5 if scale is None else float(scale)
+    lead = (1, q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[1])  # [N, T]
+    qf, kf, vf, gf, bf = (t.reshape(*lead, *t.shape[(1 if q.dim() == 3 else 2):]).to(compute)
+                          for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = num_v_heads // q.shape[-2]
+    if group > 1:
+        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
+    qf = qf * scale
+    state = pool_gather(pool, read_rows, state_v_first).to(compute)  # [N, HV, K, V]
+    outputs = []
+    for j in range(lead[1]):
+        state = state * gf[:, j].exp()[..., None, None]
+        k_t = kf[:, j]
+        u = bf[:, j][..., None] * (vf[:, j] - torch.einsum("nhkv,nhk->nhv", state, k_t))
+        state = state + k_t[..., :, None] * u[..., None, :]
+        outputs.append(torch.einsum("nhkv,nhk->nhv", state, qf[:, j]))
+        pool_scatter(pool, indices[:, j], state, state_v_first)
+    return torch.stack(outputs, 1).to(v.dtype).reshape(v.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,12 @@ key-first pool (no gathered copy of the states), through a float32 buffer for bf
 float16 and value-first pools. The ``"cpu"`` backend serves pool steps only where the
 extension is loaded (:mod:`.backend`); dispatch runs the pure-torch step
 (:func:`torch_gdr._pool.pool_recurrent_step`) elsewhere.
+
+Graph capture: the step is the op ``gdr::_cpu_pool_step`` (it mutates the pool and returns
+``o``; its fake gives ``o`` in v's shape and dtype). The checks that read index values (rows
+in range, no row written twice, ...) run in the op's eager body, so ``torch.compile``
+traces no branch on data and the checks still raise their ``ValueError`` at run time; the
+checks that read no values run before the op, where Dynamo sees them.
 """
 
 from __future__ import annotations
@@ -47,12 +53,35 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     Returns:
         ``o`` in the shape and dtype of v.
     """
-    plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-                                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
+    # the checks that read no index values, before the op (Dynamo traces them)
+    _pool.check_pool_tensors(q, v, pool, state_v_first)
     if q.device.type != "cpu":
         raise ValueError(f"q: expected CPU tensors for the fused CPU pool step, got {q.device}")
     if v.dtype not in KERNEL_DTYPES:
         raise TypeError(f"v: the fused CPU pool step takes float32, float16 or bfloat16, got {v.dtype}")
+    gating = gating or Gating()
+    return _cpu_pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
+                             None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
+                             bool(state_v_first), *gating)
+
+
+_CPU_POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "
+                         "Tensor ssm_state_indices, Tensor? num_accepted_tokens, Tensor? cu_seqlens, float? scale, "
+                         "bool use_qk_l2norm_in_kernel, bool state_v_first, bool use_gate_in_kernel=False, "
+                         "Tensor? A_log=None, Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, "
+                         "bool allow_neg_eigval=False) -> Tensor")
+
+
+def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
+                        ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                        cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                        state_v_first: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+                        dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                        allow_neg_eigval: bool = False) -> Tensor:
+    """The op's eager body: every pool rule checked (index values read on the host), then the kernel."""
+    gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     ext = _build.load()
     if ext is None:
         raise RuntimeError(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()})")
@@ -65,3 +94,17 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, plan.indices.contiguous(), plan.read_pos,
                                bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating))
     return o.reshape(v.shape)
+
+
+_cpu_pool_step_op = torch.library.custom_op("gdr::_cpu_pool_step", _cpu_pool_step_impl, mutates_args=("pool",),
+                                            schema=_CPU_POOL_STEP_SCHEMA)
+
+
+@_cpu_pool_step_op.register_fake
+def _cpu_pool_step_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
+                        ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                        cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                        state_v_first: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+                        dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                        allow_neg_eigval: bool = False) -> Tensor:
+    return torch.empty_like(v)

@@ -133,6 +133,25 @@ def test_fork_continues_both_branches_and_keeps_the_source() -> None:
         assert close(y["c"], alone(stack, torch.cat([prompt, b_tail[:4], a_tail[:2]]))[-2:])
 
 
+def test_fork_right_after_allocate_then_both_written_in_one_call() -> None:
+    """A fork made before the source's first call shares its home row while no layer has a
+    row for either yet (no reader): the first call writing both must still give one of them
+    a fresh row (copy-on-write decided by the count of sharers, not by readers only), so
+    both prompts in one call, then both decoded in one call, each equal its request alone."""
+    stack = make_stack()
+    prompt_a, prompt_b = inputs(1, 5, seed=11)[0], inputs(1, 3, seed=12)[0]
+    tail_a, tail_b = inputs(1, 1, seed=13)[0], inputs(1, 1, seed=14)[0]
+    cache = GatedDeltaNetPoolCache(slots=3)
+    with torch.no_grad():
+        cache.allocate(["a"])
+        cache.fork("a", "b")
+        y = packed_call(stack, cache, {"a": prompt_a, "b": prompt_b})
+        step = run_stack(stack, torch.stack([tail_a, tail_b]), cache=cache.batch(["a", "b"]))
+    assert close(y["a"], alone(stack, prompt_a)) and close(y["b"], alone(stack, prompt_b))
+    assert close(step[0], alone(stack, torch.cat([prompt_a, tail_a]))[-1:])
+    assert close(step[1], alone(stack, torch.cat([prompt_b, tail_b]))[-1:])
+
+
 def test_reorder_selects_the_requests_of_a_call() -> None:
     """``cache.reorder(ids)`` then ``layer(x, cache=cache)``: row i belongs to ids[i], in any
     order and subset."""

@@ -276,6 +276,13 @@ def test_step_without_pool_still_gets_the_activations() -> None:
     assert_within_tolerance("final state", final[0].double(), states[-1])
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_half_pool_minus1_row_reads_zeros_not_row_0(pool_dtype: torch.dtype) -> None:
+    """A bfloat16/float16 pool (its rows read in one 2-byte copy, then cast): a -1 start row
+    reads zeros, not row 0 (read in its place and masked), here NaN, which must not leak."""
+    run_case([1, 1], None, None, heads=(1, 1), pool_dtype=pool_dtype, rows=[[3], [-1]], nan_rows=(0,))
+
+
 @pytest.mark.slow
 def test_bf16_inputs_and_bf16_pool() -> None:
     run_case([1, 1], None, None, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)

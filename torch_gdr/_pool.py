@@ -2,11 +2,12 @@
 
 Serving engines keep every request's recurrent state in one preallocated **pool** and pass
 row indices; a call reads rows and updates rows in place. This module holds the rules of
-such a call (:func:`check_pool_args`), the reference decode step over a pool
-(:func:`pool_recurrent_step`, any device), the row gather/scatter a prefill needs
+such a call (:func:`check_pool_args`; :func:`check_batched_decode` for a traceable
+batched decode), the row gather/scatter a prefill needs
 (:func:`pool_gather`, :func:`pool_scatter`) and the prefill over a pool with checkpoints at
-arbitrary offsets (:func:`pool_chunk_prefill`). Backends with a fused pool kernel (the CPU's
-:func:`torch_gdr.ops.cpu.pool.pool_recurrent_fwd`) implement the same rules.
+arbitrary offsets (:func:`pool_chunk_prefill`). Each backend's decode step lives in its
+own folder (the pure-torch one: :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`; the
+CPU's fused kernel: :func:`torch_gdr.ops.cpu.pool.pool_recurrent_fwd`) and follows these rules.
 
 **The pool.** ``[slots, HV, K, V]`` key-first, or ``[slots, HV, V, K]`` value-first
 (``state_v_first=True``); float32, bfloat16 or float16; on the inputs' device. A row's three
@@ -21,7 +22,9 @@ one call a sequence carries the unrounded float32 state (as vLLM's and fla's ker
   speculative width) or ``[N]`` (one token per sequence, as ``[N, 1]``); int32 or int64.
 - Sequence n starts from row ``ssm_state_indices[n, 0]``, or, with ``num_accepted_tokens
   [N]`` (values 1..S), from row ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``: the
-  row the previous step wrote after the last accepted token.
+  row the previous step wrote after the last accepted token; or, with ``initial_state_indices
+  [N]`` (the public name; ``start_indices`` here), from row ``initial_state_indices[n]`` (-1:
+  zeros), a row that no other sequence of the call writes.
 - The state after the sequence's token j (j < its length, at most S) is written to row
   ``ssm_state_indices[n, j]``. Entries at j >= the length are not written.
 - A sequence with no tokens reads and writes nothing.
@@ -50,7 +53,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from torch_gdr._layout import L2NORM_EPS
 from torch_gdr._validate import INDEX_DTYPES, check_inputs, read_cu_seqlens
 
 Tensor = torch.Tensor
@@ -76,6 +78,8 @@ class PoolPlan:
             prefill: None.
         read_pos: decode with ``num_accepted_tokens``: ``[N]`` int64 on the pool's device,
             the column of ``indices`` each sequence starts from; else None (column 0).
+        start_rows: decode: ``[N]`` int64 on the pool's device, the row each sequence
+            starts from (``initial_state_indices``, or ``indices`` at ``read_pos``); else None.
         initial_rows, final_rows: prefill: ``[N]`` int64 on the pool's device; else None.
         checkpoint_offsets, checkpoint_rows: prefill with checkpoints: ``[N, M]`` int64 on
             the CPU (entries whose row is -1 are padding); else None.
@@ -89,6 +93,7 @@ class PoolPlan:
     state_v_first: bool
     indices: Optional[Tensor] = None
     read_pos: Optional[Tensor] = None
+    start_rows: Optional[Tensor] = None
     initial_rows: Optional[Tensor] = None
     final_rows: Optional[Tensor] = None
     checkpoint_offsets: Optional[Tensor] = None
@@ -168,7 +173,8 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Optional[Tensor] = None, num_accepted_tokens: Optional[Tensor] = None,
                     initial_state_indices: Optional[Tensor] = None, final_state_indices: Optional[Tensor] = None,
                     checkpoint_offsets: Optional[Tensor] = None, checkpoint_indices: Optional[Tensor] = None,
-                    validate: bool = True, in_place: bool = True, host_offsets: bool = True) -> PoolPlan:
+                    validate: bool = True, in_place: bool = True, host_offsets: bool = True,
+                    start_indices: Optional[Tensor] = None) -> PoolPlan:
     """Check a pool call and return its :class:`PoolPlan`; ``ValueError``/``TypeError``
     naming the argument, what it got and what was expected.
 
@@ -183,6 +189,10 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             module docstring.
         ssm_state_indices: ``[N]`` or ``[N, S]`` int32/int64.
         num_accepted_tokens: ``[N]`` int32/int64, values in ``1..S``, or None.
+        start_indices: decode: ``[N]`` int32/int64, the row each sequence starts from (the
+            public call's ``initial_state_indices`` with ``ssm_state_indices``: -1 reads
+            zeros; a row it reads may be written by that sequence only), instead of
+            ``ssm_state_indices`` at ``num_accepted_tokens - 1``; or None.
         initial_state_indices, final_state_indices: ``[N]`` int32/int64.
         checkpoint_offsets, checkpoint_indices: ``[N]`` or ``[N, M]`` int32/int64 of one
             shape (see :func:`pool_chunk_prefill`).
@@ -229,7 +239,11 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             if value is not None:
                 raise ValueError(f"{name}: is a prefill argument (with initial_state_indices); a decode call with "
                                  "ssm_state_indices takes none")
-        return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, in_place, **common)
+        return _check_decode(ssm_state_indices, num_accepted_tokens, device, validate, in_place, start_indices,
+                             **common)
+    if start_indices is not None:
+        raise ValueError("start_indices: the start rows of a decode call (with ssm_state_indices); a prefill call "
+                         "takes initial_state_indices")
     if lens is None:
         raise ValueError("host_offsets: a prefill call reads cu_seqlens on the host; pass host_offsets=True")
     if num_accepted_tokens is not None:
@@ -239,7 +253,7 @@ def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
 
 def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], device: torch.device,
-                  validate: bool, in_place: bool, **common) -> PoolPlan:
+                  validate: bool, in_place: bool, start_indices: Optional[Tensor] = None, **common) -> PoolPlan:
     num_seqs, lens, slots = common["num_seqs"], common["seq_lens"], common["slots"]
     idx = _check_index_tensor("ssm_state_indices", ssm_state_indices, device, (1, 2), "[N] or [N, S]")
     if idx.shape[0] != num_seqs or (idx.dim() == 2 and idx.shape[1] < 1):
@@ -259,28 +273,67 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
         acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, device, (1,), "[N]")
         if acc.shape[0] != num_seqs:
             raise ValueError(f"num_accepted_tokens: expected shape [N] = [{num_seqs}], got {_shape(acc)}")
-    if idx.device.type == "cpu" or (acc is not None and acc.device.type == "cpu") or validate:
-        rows = _host(idx).reshape(num_seqs, width)
-        _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
-        read = [0] * num_seqs
-        if acc is not None:
-            counts = _host(acc)
-            bad = (counts < 1) | (counts > width)
-            if bool(bad.any()):
-                n = int(bad.nonzero()[0, 0])
-                raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
-                                 f"always accepted), got {int(counts[n])} at index {n}")
-            read = [c - 1 for c in counts.tolist()]
-        if lens is not None:  # which entries are written follows the lengths
-            table = rows.tolist()
-            writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
-                      for j in range(lens[n]) if in_place and table[n][j] >= 0]
-            reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
-                     if lens[n] > 0 and table[n][read[n]] >= 0]
-            _check_row_conflicts(writes, reads)
+    start = _check_start_indices(start_indices, acc, num_seqs, device)
+    if any(t is not None and t.device.type == "cpu" for t in (idx, acc, start)) or validate:
+        _check_decode_values(idx, acc, lens, slots, in_place, start)
     indices = idx.to(device=device, dtype=torch.int64).reshape(num_seqs, width)
     read_pos = None if acc is None else acc.to(device=device, dtype=torch.int64) - 1
-    return PoolPlan(indices=indices, read_pos=read_pos, **common)
+    if start is not None:
+        start_rows = start.to(device=device, dtype=torch.int64)
+    else:
+        start_rows = indices[:, 0] if read_pos is None else indices.gather(1, read_pos.view(-1, 1))[:, 0]
+    return PoolPlan(indices=indices, read_pos=read_pos, start_rows=start_rows, **common)
+
+
+def _check_start_indices(start_indices: Optional[Tensor], acc: Optional[Tensor], num_seqs: int,
+                         device: torch.device) -> Optional[Tensor]:
+    """The decode's ``initial_state_indices [N]`` (public name), checked without reading values."""
+    if start_indices is None:
+        return None
+    start = _check_index_tensor("initial_state_indices", start_indices, device, (1,), "[N]")
+    if start.shape[0] != num_seqs:
+        raise ValueError(f"initial_state_indices: expected shape [N] = [{num_seqs}], got {_shape(start)}")
+    if acc is not None:
+        raise ValueError("initial_state_indices: names the rows the sequences start from, as num_accepted_tokens "
+                         "does; expected one of the two, got both")
+    return start
+
+
+def _check_decode_values(idx: Tensor, acc: Optional[Tensor], lens: Optional[Sequence[int]], slots: int,
+                         in_place: bool, start: Optional[Tensor] = None) -> None:
+    """The decode rules that read index values (on the host): rows in ``[-1, slots)``,
+    ``num_accepted_tokens`` in ``1..S``, and, where the lengths ``lens`` are known, no row
+    written twice nor written by one sequence and read by another. ``start``: the rows the
+    sequences start from (``initial_state_indices``), or None."""
+    num_seqs = idx.shape[0]
+    width = 1 if idx.dim() == 1 else idx.shape[1]
+    rows = _host(idx).reshape(num_seqs, width)
+    _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
+    read = [0] * num_seqs
+    if acc is not None:
+        counts = _host(acc)
+        bad = (counts < 1) | (counts > width)
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
+                             f"always accepted), got {int(counts[n])} at index {n}")
+        read = [c - 1 for c in counts.tolist()]
+    starts = None
+    if start is not None:
+        starts = _host(start)
+        _check_range("initial_state_indices", starts, slots)
+        starts = starts.tolist()
+    if lens is not None:  # which entries are written follows the lengths
+        table = rows.tolist()
+        writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
+                  for j in range(lens[n]) if in_place and table[n][j] >= 0]
+        if starts is None:
+            reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
+                     if lens[n] > 0 and table[n][read[n]] >= 0]
+        else:
+            reads = [(starts[n], n, f"initial_state_indices[{n}]") for n in range(num_seqs)
+                     if lens[n] > 0 and starts[n] >= 0]
+        _check_row_conflicts(writes, reads)
 
 
 def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[Tensor],
@@ -341,6 +394,83 @@ def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[
 
 
 # ---------------------------------------------------------------------------------------------
+# The batched decode step's checks, traceable: values are read inside an op.
+
+
+def check_batched_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                         pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *,
+                         state_v_first: bool = False, validate: bool = True,
+                         start_indices: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Check a decode call without ``cu_seqlens`` (B sequences of T tokens, or one of T
+    token-major) as :func:`check_pool_args` does, in a form ``torch.compile`` traces into one
+    graph that a varying batch does not recompile: the checks that read no index values run
+    here; those that do (rows in range, ``num_accepted_tokens`` in ``1..S``, no row written
+    twice, no row written by one sequence and read by another) run in the eager body of the
+    op ``gdr::_pool_decode_rows``, which raises their ``ValueError`` at run time, compiled
+    or not. Index values on a device are read (a host sync) unless ``validate=False``.
+
+    Returns:
+        ``(indices [N, S] int64, read_rows [N] int64)`` on the pool's device: the rows of
+        every token (1-D indices as ``[N, 1]``) and the row each sequence starts from
+        (``start_indices[n]``, else ``indices[n, num_accepted_tokens[n] - 1]``, or column 0).
+    """
+    check_inputs(q, k, v, g, beta, scale, None, None, 64, state_v_first)
+    num_v_heads, head_k_dim, head_v_dim = v.shape[-2], q.shape[-1], v.shape[-1]
+    _check_pool(pool, num_v_heads, head_k_dim, head_v_dim, state_v_first, q.device)
+    check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool)
+    num_seqs, seq_len = (1, q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[1])
+    idx = _check_index_tensor("ssm_state_indices", ssm_state_indices, q.device, (1, 2), "[N] or [N, S]")
+    if idx.shape[0] != num_seqs or (idx.dim() == 2 and idx.shape[1] < 1):
+        raise ValueError(f"ssm_state_indices: expected shape [N] or [N, S >= 1] with N = {num_seqs} sequences, got "
+                         f"{_shape(idx)}")
+    width = 1 if idx.dim() == 1 else idx.shape[1]
+    if seq_len > width:
+        if idx.dim() == 1:
+            raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
+                             f"0 has {seq_len}; pass [N, S] rows, one per token")
+        raise ValueError(f"ssm_state_indices: expected at most S = {width} tokens per sequence (one row each), but "
+                         f"sequence 0 has {seq_len}")
+    acc = None
+    if num_accepted_tokens is not None:
+        acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, q.device, (1,), "[N]")
+        if acc.shape[0] != num_seqs:
+            raise ValueError(f"num_accepted_tokens: expected shape [N] = [{num_seqs}], got {_shape(acc)}")
+    start = _check_start_indices(start_indices, acc, num_seqs, q.device)
+    check = validate or any(t is not None and t.device.type == "cpu" for t in (idx, acc, start))
+    indices, read_rows = _decode_rows_op(idx, acc, start, int(pool.shape[0]), seq_len, check)
+    return indices.to(pool.device), read_rows.to(pool.device)
+
+
+def _decode_rows_impl(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                      start_indices: Optional[Tensor], slots: int, seq_len: int, check: bool) -> tuple[Tensor, Tensor]:
+    """The op's eager body: with ``check``, the decode rules on the index values (every
+    sequence has ``seq_len`` tokens); then the rows as int64 ``[N, S]`` and the start rows."""
+    num_seqs = ssm_state_indices.shape[0]
+    if check:
+        _check_decode_values(ssm_state_indices, num_accepted_tokens, [seq_len] * num_seqs, slots, True,
+                             start_indices)
+    indices = ssm_state_indices.to(torch.int64, copy=True).reshape(num_seqs, -1)
+    if start_indices is not None:
+        return indices, start_indices.to(device=indices.device, dtype=torch.int64, copy=True)
+    if num_accepted_tokens is None:
+        return indices, indices[:, 0].clone()
+    read_pos = num_accepted_tokens.to(device=indices.device, dtype=torch.int64) - 1
+    return indices, indices.gather(1, read_pos.view(-1, 1))[:, 0]
+
+
+_decode_rows_op = torch.library.custom_op("gdr::_pool_decode_rows", _decode_rows_impl, mutates_args=())
+
+
+@_decode_rows_op.register_fake
+def _decode_rows_fake(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                      start_indices: Optional[Tensor], slots: int, seq_len: int, check: bool) -> tuple[Tensor, Tensor]:
+    num_seqs = ssm_state_indices.shape[0]
+    width = 1 if ssm_state_indices.dim() == 1 else ssm_state_indices.shape[1]
+    return (ssm_state_indices.new_empty((num_seqs, width), dtype=torch.int64),
+            ssm_state_indices.new_empty((num_seqs,), dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows in and out of the pool.
 
 
@@ -363,17 +493,25 @@ def pool_gather(pool: Tensor, initial_state_indices: Tensor, state_v_first: bool
 def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, state_v_first: bool = False) -> None:
     """Write key-first states ``[N, HV, K, V]`` (any float dtype; rounded to the pool's) into
     rows ``final_state_indices [N]`` of the pool, in place; rows -1 are skipped. Rows must be
-    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated. Rows -1
-    are dropped by a boolean mask, which on an accelerator is a host sync."""
+    distinct (see :func:`check_pool_args`). The pool's storage is never reallocated.
+
+    Shapes follow N alone (no host read, no boolean mask: ``torch.compile`` traces it): a
+    skipped entry writes again what the first written entry writes, or, when none is
+    written, row 0 its own contents (the same bits)."""
     rows = final_state_indices.to(device=pool.device, dtype=torch.int64)
-    keep = rows >= 0
-    if not bool(keep.all()):
-        rows, states = rows[keep], states[keep]
     if rows.numel() == 0:
         return
+    values = states.to(pool.dtype)
     if state_v_first:
-        states = states.transpose(-1, -2)
-    pool.index_copy_(0, rows, states.to(pool.dtype))
+        values = values.transpose(-1, -2)
+    written = rows >= 0
+    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written entry; 0 when none
+    any_written = written.any()
+    spare_row = torch.where(any_written, rows.index_select(0, first), torch.zeros_like(first))
+    spare_value = torch.where(any_written, values.index_select(0, first), pool[:1])
+    targets = torch.where(written, rows, spare_row)
+    values = torch.where(written.view(-1, 1, 1, 1), values, spare_value)
+    pool.index_copy_(0, targets, values)
 
 
 def token_states_buffer(pool: Tensor, plan: PoolPlan) -> tuple[Tensor, Tensor]:
@@ -391,8 +529,7 @@ def token_states_buffer(pool: Tensor, plan: PoolPlan) -> tuple[Tensor, Tensor]:
     """
     tokens = sum(plan.seq_lens)
     states = pool.new_empty((tokens + 1, *pool.shape[1:]))
-    read_pos = plan.read_pos if plan.read_pos is not None else torch.zeros_like(plan.indices[:, 0])
-    start = plan.indices.gather(1, read_pos[:, None])[:, 0]
+    start = plan.start_rows
     start_states = pool.index_select(0, start.clamp_min(0))
     start_states = torch.where((start >= 0).view(-1, 1, 1, 1), start_states, start_states.new_zeros(()))
     # a sequence without tokens has no row: its start state goes to the scratch row
@@ -411,63 +548,6 @@ def token_states_buffer(pool: Tensor, plan: PoolPlan) -> tuple[Tensor, Tensor]:
 def _flat_tokens(x: Tensor, token_major: bool) -> Tensor:
     """``[B, T, ...]`` or ``[T, ...]`` as ``[B * T, ...]``."""
     return x if token_major else x.reshape(-1, *x.shape[2:])
-
-
-def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-                        pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None,
-                        cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-                        state_v_first: bool = False, validate: bool = True) -> Tensor:
-    """The decode step over a pool, in place, by the per-token recurrence in pure torch (any
-    device): gather the rows the sequences start from, run their few tokens in lockstep
-    (token j of every sequence that has one at once), and write each state to its row.
-
-    Args:
-        q, k: ``[B, T, H, K]`` (or token-major ``[T, H, K]``), any float dtype.
-        v: ``[B, T, HV, V]`` (``[T, HV, V]``); g, beta: ``[B, T, HV]`` (``[T, HV]``).
-        scale: factor on q after the l2norm; ``K ** -0.5`` when None.
-        pool: the state pool, updated in place (module docstring).
-        ssm_state_indices, num_accepted_tokens: vLLM's, see the module docstring.
-        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B must be 1), or None (B
-            sequences of T tokens).
-        use_qk_l2norm_in_kernel: l2-normalise q and k first.
-        state_v_first: the pool is value-first.
-        validate: check index values also when they live on a device.
-
-    Returns:
-        ``o`` in the shape of v and dtype of v. Computed in float32 (float64 for float64
-        inputs); states rounded to the pool's dtype when stored.
-    """
-    plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-                           ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                           validate=validate)
-    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
-    num_v_heads, head_k_dim = v.shape[-2], q.shape[-1]
-    scale = head_k_dim ** -0.5 if scale is None else float(scale)
-    qf, kf, vf, gf, bf = (_flat_tokens(t, plan.token_major).to(compute) for t in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-    group = num_v_heads // q.shape[-2]
-    if group > 1:
-        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
-    qf = qf * scale
-    o = torch.zeros(vf.shape, dtype=compute, device=v.device)
-
-    indices = plan.indices
-    read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
-    state = pool_gather(pool, read_rows, state_v_first).to(compute)
-    for j in range(max(plan.seq_lens, default=0)):
-        active = [n for n in range(plan.num_seqs) if plan.seq_lens[n] > j]
-        seqs = torch.tensor(active, dtype=torch.int64, device=v.device)
-        tokens = torch.tensor([plan.bos[n] + j for n in active], dtype=torch.int64, device=v.device)
-        s = state.index_select(0, seqs) * gf[tokens].exp()[..., None, None]
-        k_t = kf[tokens]
-        u = bf[tokens][..., None] * (vf[tokens] - torch.einsum("nhkv,nhk->nhv", s, k_t))
-        s = s + k_t[..., :, None] * u[..., None, :]
-        o[tokens] = torch.einsum("nhkv,nhk->nhv", s, qf[tokens])
-        state.index_copy_(0, seqs, s)
-        pool_scatter(pool, indices[seqs, j], s, state_v_first)
-    return o.to(v.dtype).reshape(v.shape)
 
 
 # ---------------------------------------------------------------------------------------------

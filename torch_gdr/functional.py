@@ -277,6 +277,7 @@ def fused_recurrent_gated_delta_rule(
     num_accepted_tokens: Optional[torch.Tensor] = None,
     inplace_final_state: bool = True,
     validate: bool = True,
+    initial_state_indices: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule one token at a time, for decoding and short inputs, a drop-in for
     ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta`` by name, as
@@ -305,7 +306,11 @@ def fused_recurrent_gated_delta_rule(
     ``inplace_final_state=False`` the pool is only read (the start rows) and the states go to
     a new tensor ``[tokens, HV, K, V]`` of the pool's dtype and layout, the state after
     flattened token t (``cu_seqlens[n] + j``) in row t, any number of tokens per sequence;
-    returns ``(o, states)``. Inference only. ``validate``: check the indices also when they live
+    returns ``(o, states)``. ``initial_state_indices`` (``[N]``, with ``ssm_state_indices``;
+    not with ``num_accepted_tokens``): sequence n starts from row ``initial_state_indices[n]``
+    instead (-1: a zero state), a decode that reads one row and writes others (FlashInfer's
+    ``output_state_indices``); a row it reads may be written in the call by its own sequence
+    only. Inference only. ``validate``: check the indices also when they live
     on a device (a host sync); CPU indices are always checked.
 
     Raises:
@@ -336,6 +341,9 @@ def fused_recurrent_gated_delta_rule(
         beta = torch.ones(lead, dtype=torch.float32, device=v.device)
     if num_accepted_tokens is not None and ssm_state_indices is None:
         raise ValueError("num_accepted_tokens: only with ssm_state_indices (a state pool), got a tensor without them")
+    if initial_state_indices is not None and ssm_state_indices is None:
+        raise ValueError("initial_state_indices: the decode's start rows, only with ssm_state_indices (a state "
+                         "pool), got a tensor without them")
     pooled = ssm_state_indices is not None
     # over a pool, initial_state is the pool: its checks are the pool's (torch_gdr._pool)
     check_inputs(q, k, v, g, beta, scale, None if pooled else initial_state, cu_seqlens, CHUNK_SIZES[0],
@@ -348,7 +356,7 @@ def fused_recurrent_gated_delta_rule(
     if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                          validate, gating)
+                          validate, gating, initial_state_indices)
     grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     # raw g and beta: the step applies the activations (in its kernel where it has them)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -360,7 +368,8 @@ def fused_recurrent_gated_delta_rule(
 
 
 def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
-               ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating):
+               ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating,
+               initial_state_indices=None):
     """The step over a state pool on the backend serving it: in place, or with the state
     after every token in a new tensor (``inplace_final_state=False``)."""
     if not isinstance(inplace_final_state, bool):
@@ -380,11 +389,11 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                 backend=backend, gating=Gating(**gating))
     if inplace_final_state:
         o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
-                          **step)
+                          initial_state_indices=initial_state_indices, **step)
         return o, pool
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                           validate=validate, in_place=False)
+                           validate=validate, in_place=False, start_indices=initial_state_indices)
     states, rows = token_states_buffer(pool, plan)
     o = run_pool_step(q, k, v, g, beta, scale, states, rows, None, validate=False, **step)
     return o, states[:-1]

@@ -64,15 +64,16 @@ def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[
 def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
-                  backend: Optional[str] = None, gating: Optional[Gating] = None) -> Tensor:
+                  backend: Optional[str] = None, gating: Optional[Gating] = None,
+                  initial_state_indices: Optional[Tensor] = None) -> Tensor:
     """The step over a state pool, in place, on the backend serving it (the arguments of
-    :func:`torch_gdr._pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
+    :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
     arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None."""
     spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)
     if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
         spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
     selection = select(spec, backend)
-    extra = {}
+    extra = {} if initial_state_indices is None else {"initial_state_indices": initial_state_indices}
     if gating is not None and gating.gated:
         if "pool_step" in selection.backend.in_kernel_gating:
             extra["gating"] = gating

@@ -169,7 +169,7 @@ class Backend:
         checkpoints: ``checkpoints(args, checkpoint_every) -> (o, final_state, checkpoints,
             offsets)`` for the checkpoints entry, or None.
         pool_step: the step over a state pool in place (the arguments of
-            :func:`torch_gdr._pool.pool_recurrent_step`; returns ``o``), or None.
+            :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`; returns ``o``), or None.
         may_fail: its kernels can fail at run time (a build or a refusal inside the call),
             which the policy treats as a fallback reason.
         warns_when_unsupported: as the default of its device, it warns (once per reason)

@@ -107,7 +107,8 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                     cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                     state_v_first: bool = False, validate: bool = True,
-                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None) -> Tensor:
+                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None,
+                    initial_state_indices: Optional[Tensor] = None) -> Tensor:
     """The decode step over a state pool through the PyPTO kernel, in place (the arguments
     of :func:`pool_step_eager`).
 
@@ -120,21 +121,21 @@ def pypto_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                state_v_first=state_v_first, validate=validate, kernel_getter=kernel_getter,
-                               gating=gating)
+                               gating=gating, initial_state_indices=initial_state_indices)
     gating = gating or Gating()
     # the checks that read no index values, before the op: inside it a pool on another
     # device would reach that device's kernel (the fake on "meta") instead of this error
     _pool.check_pool_tensors(q, v, pool, state_v_first)
     return _pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                          None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel), bool(state_v_first),
-                         bool(validate), *gating)
+                         bool(validate), *gating, initial_state_indices=initial_state_indices)
 
 
 _POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor ssm_state_indices, "
                      "Tensor? num_accepted_tokens, Tensor? cu_seqlens, float? scale, bool use_qk_l2norm_in_kernel, "
                      "bool state_v_first, bool validate, bool use_gate_in_kernel=False, Tensor? A_log=None, "
-                     "Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False) "
-                     "-> Tensor")
+                     "Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False, "
+                     "Tensor? initial_state_indices=None) -> Tensor")
 
 
 def _pool_step_op_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
@@ -142,12 +143,12 @@ def _pool_step_op_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
                        validate: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
                        dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                       allow_neg_eigval: bool = False) -> Tensor:
+                       allow_neg_eigval: bool = False, initial_state_indices: Optional[Tensor] = None) -> Tensor:
     return pool_step_eager(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                            state_v_first=state_v_first, validate=validate,
                            gating=Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                                         allow_neg_eigval))
+                                         allow_neg_eigval), initial_state_indices=initial_state_indices)
 
 
 _pool_step_op = torch.library.custom_op("gdr::_pypto_pool_step", _pool_step_op_impl, mutates_args=("pool",),
@@ -160,7 +161,7 @@ def _pool_step_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, po
                     scale: Optional[float], use_qk_l2norm_in_kernel: bool, state_v_first: bool,
                     validate: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
                     dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                    allow_neg_eigval: bool = False) -> Tensor:
+                    allow_neg_eigval: bool = False, initial_state_indices: Optional[Tensor] = None) -> Tensor:
     return torch.empty_like(v)
 
 
@@ -168,7 +169,8 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                     ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                     cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                     state_v_first: bool = False, validate: bool = True,
-                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None) -> Tensor:
+                    kernel_getter: Optional[KernelGetter] = None, gating: Optional[Gating] = None,
+                    initial_state_indices: Optional[Tensor] = None) -> Tensor:
     """The decode step over a state pool through the PyPTO kernel, in place, eagerly.
 
     Args:
@@ -180,6 +182,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
             float32, bfloat16 or float16; updated in place.
         ssm_state_indices: ``[N]`` or ``[N, S]`` (S <= 8) int32/int64 rows; -1: zeros,
             never written. num_accepted_tokens: ``[N]`` in ``1..S``, or None.
+        initial_state_indices: ``[N]`` rows the sequences start from instead (-1: zeros), or None.
         cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
         use_qk_l2norm_in_kernel: l2-normalise q and k first.
         validate: check index values also when they live on a device.
@@ -196,7 +199,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
 
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                                 validate=validate, host_offsets=False)
+                                 validate=validate, host_offsets=False, start_indices=initial_state_indices)
     device = q.device
     if device.type not in ("cpu", "npu"):
         raise ValueError(f"q: the PyPTO backend runs on 'npu' or 'cpu' tensors, not {device.type!r}")
@@ -239,7 +242,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     g_in, beta_in = (packed(x, torch.float32) for x in flat[3:])
 
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
-    read_rows = indices[:, 0] if plan.read_pos is None else indices.gather(1, plan.read_pos.view(-1, 1))[:, 0]
+    read_rows = plan.start_rows
     write_rows = indices
     if in_sequence is not None:
         write_rows = torch.where(in_sequence.to(indices.device), indices, torch.full_like(indices, -1))

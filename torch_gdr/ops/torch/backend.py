@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch_gdr._pool import pool_recurrent_step
+from torch_gdr.ops.torch.pool import pool_recurrent_step
 from torch_gdr.ops._backend import ENTRIES, Backend, Capabilities
 from torch_gdr.ops.torch.checkpoints import chunk_gated_delta_rule_with_checkpoints
 from torch_gdr.ops.torch.op import torch_bwd, torch_fwd, torch_step

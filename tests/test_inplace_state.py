@@ -215,3 +215,11 @@ def test_pool_prefill_refuses_a_copy_out() -> None:
     with pytest.raises(ValueError, match="inplace_final_state: a state pool"):
         torch_gdr.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
                                          initial_state_indices=torch.tensor([0, 1, 2]), inplace_final_state=False)
+
+
+def test_cpu_inplace_op_passes_opcheck() -> None:
+    """``gdr::_cpu_step_inplace`` declares what it mutates (the state) and its fake matches."""
+    x = _inputs(seq_len=2)
+    state = x["initial_state"].float().contiguous()
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.25, state, True, None, False)
+    torch.library.opcheck(torch.ops.gdr._cpu_step_inplace.default, args)

@@ -236,12 +236,13 @@ def test_padded_decode_token_leaves_state_alone() -> None:
     with torch.no_grad():
         cache = GatedDeltaNetCache()
         layer(x[:, :4], cache=cache)
-        before = cache.get(layer.cache_key)
+        entry = cache.get(layer.cache_key)  # its recurrent state is updated in place: keep copies
+        before_state, before_conv = entry.recurrent_state.clone(), entry.conv_state.clone()
         layer(x[:, 4:5], attention_mask=torch.tensor([[0], [1]]), cache=cache)
         after = cache.get(layer.cache_key)
-        assert torch.equal(after.recurrent_state[0], before.recurrent_state[0])
-        assert torch.equal(after.conv_state[0], before.conv_state[0])
-        assert not torch.equal(after.recurrent_state[1], before.recurrent_state[1])
+        assert torch.equal(after.recurrent_state[0], before_state[0])
+        assert torch.equal(after.conv_state[0], before_conv[0])
+        assert not torch.equal(after.recurrent_state[1], before_state[1])
 
 
 @pytest.mark.parametrize("with_state", [False, True])

@@ -22,7 +22,7 @@ PACKAGE = Path(torch_gdr.__file__).resolve().parent
 # layer: the layers above it, which it must not import
 _ORDER = ("ref", "ops", "dispatch", "distributed", "functional", "nn", "integrations")
 FORBIDDEN = {layer: _ORDER[i + 1:] for i, layer in enumerate(_ORDER)}
-_PRIVATE = ("_layout", "_validate", "_fallback", "_device", "_paths", "_pool", "_gating")
+_PRIVATE = ("_layout", "_validate", "_fallback", "_device", "_paths", "_pool", "_gating", "_inplace")
 FORBIDDEN.update({name: _ORDER for name in _PRIVATE})
 
 

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from torch_gdr._gating import Gating, apply_gating, check_gating
-from torch_gdr._layout import canonical_call
+from torch_gdr._inplace import check_inplace_state, resolve_inplace_flag
+from torch_gdr._layout import canonical_call, compute_dtype_for
 from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, token_states_buffer
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
-from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step
+from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step, run_step_inplace
 from torch_gdr.ops._backend import OpArgs
 from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
@@ -66,6 +67,7 @@ def chunk_gated_delta_rule(
     checkpoint_offsets: Optional[torch.Tensor] = None,
     checkpoint_indices: Optional[torch.Tensor] = None,
     validate: bool = True,
+    inplace_final_state: Optional[bool] = None,
 ) -> tuple[Optional[torch.Tensor], ...]:
     r"""The chunked gated delta rule, a drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
@@ -150,6 +152,12 @@ def chunk_gated_delta_rule(
             padding), within the one pass over the tokens.
         validate: check pool indices also when they live on a device (a host sync); indices
             on the CPU are always checked.
+        inplace_final_state: True: write the final state into ``initial_state`` (which must
+            be given) in place and return that tensor as the final state (vLLM's meaning;
+            inference only, a float32/float16/bfloat16 state, each sequence's state
+            contiguous: :mod:`torch_gdr._inplace`). None or False: fla's behaviour,
+            ``initial_state`` untouched and a new final state; over a state pool (always
+            in place) None or True.
 
     Returns:
         ``o`` in the shape of v and dtype of v (q/k may have another float dtype than v), and
@@ -165,7 +173,10 @@ def chunk_gated_delta_rule(
             the reverse, ``allow_neg_eigval`` without ``use_beta_sigmoid_in_kernel``),
             ``cu_seqlens_cpu``/``chunk_indices`` that do not match ``cu_seqlens``.
         TypeError: non-floating inputs, non-integer ``cu_seqlens`` or chunk size, a scale
-            that is not a real number, a flag that is not a bool.
+            that is not a real number, a flag that is not a bool, a state of a dtype
+            ``inplace_final_state`` cannot write.
+        ValueError: with ``inplace_final_state=True``, a state that requires grad (or inputs
+            autograd records), is not writable in place, or is not laid out as pool rows.
         torch_gdr.dispatch.BackendError: the backend named (``backend`` or
             ``TORCH_GDR_BACKEND``) cannot serve the call (its subclass says which backend:
             ``PyptoBackendError`` for pypto absent, an unsupported head dim, dtype or chunk
@@ -181,6 +192,15 @@ def chunk_gated_delta_rule(
     cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q.device)
     gating = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    inplace = resolve_inplace_flag(inplace_final_state, pooled)
+    if pooled and not inplace:
+        raise ValueError("inplace_final_state: a state pool (initial_state_indices) is always updated in place; "
+                         "pass None or True, got False")
+    target = None  # the caller's state that receives the final state in place
+    if inplace and not pooled:
+        target = check_inplace_state(initial_state, compute_dtype_for(_wider(q.dtype, v.dtype)),
+                                     (q, k, v, g, beta, A_log, dt_bias))
+        output_final_state = True
     if pooled:
         # before the activations and the pool's own no_grad pass, where grad mode is still seen
         check_no_grad(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
@@ -194,10 +214,11 @@ def chunk_gated_delta_rule(
                              f"sequences), got checkpoint_every={checkpoint_every!r}; call without cp_context")
         from torch_gdr.distributed import context_parallel_chunk_gated_delta_rule
 
-        return context_parallel_chunk_gated_delta_rule(
+        o, final_state = context_parallel_chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             state_v_first=state_v_first, backend=backend, cp_context=cp_context)
+        return o, _into(target, final_state)
     if pooled:
         if checkpoint_every is not None:
             raise ValueError(f"checkpoint_every: not available with a state pool (pass checkpoint_offsets and "
@@ -220,9 +241,23 @@ def chunk_gated_delta_rule(
     if checkpoint_every is not None:
         check_checkpoint_every(checkpoint_every, chunk_size)
         o, final_state, checkpoints, offsets = run_checkpoints(args, checkpoint_every, backend)
-        return o, (final_state if output_final_state else None), checkpoints, offsets
+        return o, _into(target, final_state if output_final_state else None), checkpoints, offsets
     o, final_state = run_chunk(args, grad, backend)
-    return o, (final_state if output_final_state else None)
+    return o, _into(target, final_state if output_final_state else None)
+
+
+def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """float64 when either is (the call computes in float64), else ``b``."""
+    return torch.float64 if torch.float64 in (a, b) else b
+
+
+def _into(target: Optional[torch.Tensor], final_state: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The final state, copied into ``target`` (the caller's state, ``inplace_final_state``)
+    when there is one, which is then returned instead."""
+    if target is None or final_state is None:
+        return final_state
+    target.copy_(final_state)
+    return target
 
 
 chunked_gated_delta_rule = chunk_gated_delta_rule
@@ -275,7 +310,7 @@ def fused_recurrent_gated_delta_rule(
     backend: Optional[str] = None,
     ssm_state_indices: Optional[torch.Tensor] = None,
     num_accepted_tokens: Optional[torch.Tensor] = None,
-    inplace_final_state: bool = True,
+    inplace_final_state: Optional[bool] = None,
     validate: bool = True,
     initial_state_indices: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -313,12 +348,22 @@ def fused_recurrent_gated_delta_rule(
     only. Inference only. ``validate``: check the indices also when they live
     on a device (a host sync); CPU indices are always checked.
 
+    Without a pool, ``inplace_final_state=True`` writes the final state into ``initial_state``
+    in place and returns that tensor (whatever ``output_final_state``): no new state per step,
+    the cost of the pool step (:mod:`torch_gdr._inplace`: inference only; a float32, float16
+    or bfloat16 state, float64 for float64 calls, each sequence's state contiguous). The
+    ``"cpu"`` and ``"pypto"`` backends write it from their pool kernels; the others run their
+    step and copy the new state in. None (the default) or False: fla's behaviour,
+    ``initial_state`` untouched and a new final state (over a pool, None means True).
+
     Raises:
         TypeError: non-tensor or non-floating inputs, q and k of different dtypes,
             non-integer ``cu_seqlens``, a flag that is not a bool.
         ValueError: wrong shapes, ranks, devices or ``cu_seqlens`` values, an unknown backend,
             conflicting activation arguments (as :func:`chunk_gated_delta_rule`), ``gk`` or
-            ``gv`` given.
+            ``gv`` given; with ``inplace_final_state=True`` and no pool, a state that is None,
+            requires grad (or inputs autograd records), is not writable in place or not laid
+            out as pool rows (``TypeError`` for its dtype).
         torch_gdr.dispatch.BackendError: the backend named cannot serve the call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -353,10 +398,18 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens = resolve_varlen_metadata(cu_seqlens, cu_seqlens_cpu, None, CHUNK_SIZES[0], q.device)
     gating = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    inplace = resolve_inplace_flag(inplace_final_state, pooled)
     if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                          state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                          state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace,
                           validate, gating, initial_state_indices)
+    if inplace:
+        state = check_inplace_state(initial_state, compute_dtype_for(_wider(q.dtype, v.dtype)),
+                                    (q, k, v, g, beta, A_log, dt_bias))
+        call = canonical_call(q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens,
+                              CHUNK_SIZES[0], state_v_first, **gating)
+        o = run_step_inplace(call, state, backend)
+        return (o.squeeze(0) if call.token_major else o).contiguous(), state
     grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     # raw g and beta: the step applies the activations (in its kernel where it has them)
     call = canonical_call(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,

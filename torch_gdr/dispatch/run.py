@@ -61,6 +61,26 @@ def run_step(call: GdrCall, grad: bool, backend: Optional[str] = None) -> tuple[
     return selection.backend.step(call)
 
 
+def run_step_inplace(call: GdrCall, state: Tensor, backend: Optional[str] = None) -> Tensor:
+    """The token-by-token call (inference) writing its final state into ``state``, the
+    caller's ``initial_state`` (public layout; ``call.initial_state`` is its canonical view),
+    checked by :mod:`torch_gdr._inplace`; returns ``o`` (canonical layout).
+
+    A backend with ``step_inplace`` writes it without a new state (``"cpu"``, ``"pypto"``
+    through their pool kernels); any other runs its step and copies the new final state in
+    (``"torch"``, ``"recurrent"``, and ``"fla"``, whose fused-recurrent forward returns a new
+    state)."""
+    selection = select(CallSpec.of("step", call.q, call.v, call.chunk_size, False), backend)
+    chosen = selection.backend
+    if "step" not in chosen.in_kernel_gating:
+        call = activate_call(call)  # differentiable torch
+    if chosen.step_inplace is not None:
+        return chosen.step_inplace(call, state)
+    o, final_state = chosen.step(call)
+    state.copy_(call.public_state(final_state))
+    return o
+
+
 def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,

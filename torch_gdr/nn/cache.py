@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
 import torch
@@ -19,11 +19,16 @@ class LayerState:
         recurrent_state: ``[N, HV, K_head, V_head]`` float32 (float64 for float64 models),
             key-first: the gated delta rule state.
         num_tokens: tokens seen per sequence so far (the longest, with packed sequences).
+        owned: ``recurrent_state`` is a tensor of the cache's own (a layer's op made it, or a
+            copy, reorder or unpickling did), which inference calls update in place; False
+            for a state given by a caller or shared with a graph (:meth:`GatedDeltaNetCache.detach`),
+            which the next call replaces instead.
     """
 
     conv_state: torch.Tensor
     recurrent_state: torch.Tensor
     num_tokens: int = 0
+    owned: bool = field(default=False, compare=False)
 
 
 #: What an entry of the cache is filed under: a layer's ``layer_idx``, or, for a layer built
@@ -39,8 +44,12 @@ class GatedDeltaNetCache:
     Pass the same object to every layer's ``forward(..., cache=cache)``: the first call
     (the prompt, through the chunked op) fills each layer's entry, and every later call
     continues from it: a ``[N, 1, hidden]`` call is one decode step of each of the N
-    sequences, with no re-run of the prompt. Entries are replaced, never written in place,
-    so autograd flows through a whole decode.
+    sequences, with no re-run of the prompt. In inference (autograd records nothing: no
+    grad mode, or nothing requires grad) a layer updates its recurrent state in place, in
+    the tensor the cache owns (no new state per step: ``inplace_final_state`` of the op), so
+    ``cache.get(layer).recurrent_state`` changes with every call; ``.clone()`` it to keep a
+    snapshot. Calls that autograd records replace the entry instead, so autograd flows
+    through a whole decode.
 
     A layer built with ``layer_idx=i`` (as transformers numbers its layers) files its entry
     under ``i``; a layer built without one files it under an identifier of its own, drawn
@@ -49,10 +58,10 @@ class GatedDeltaNetCache:
     with the same key that reads or writes it gets a ``ValueError`` (two layers built with
     one index), not the other layer's state. The cache holds no reference to its layers.
 
-    A copy of the cache (``copy.deepcopy`` or pickle: forking beams or a shared prefix)
-    holds the same states under the same keys, so the layers continue from it as from the
-    original. The copy forgets which layer owns which entry: the first layer to use an entry
-    of the copy owns it.
+    A copy of the cache (``copy.copy``, ``copy.deepcopy`` or pickle: forking beams or a
+    shared prefix) holds copies of the states under the same keys, so the layers continue
+    from it as from the original, and decoding one never changes the other. The copy
+    forgets which layer owns which entry: the first layer to use an entry of the copy owns it.
 
     Example::
 
@@ -71,7 +80,20 @@ class GatedDeltaNetCache:
         return {"layers": self.layers, "_owners": {}}
 
     def __setstate__(self, state: dict) -> None:
+        # unpickled or deep-copied: every state is a new tensor of this cache's own
         self.__dict__.update(state)
+        for entry in self.layers.values():
+            entry.owned = True
+
+    def __copy__(self) -> "GatedDeltaNetCache":
+        """A copy with states of its own (clones): decoding either never changes the other."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.layers = {key: LayerState(entry.conv_state.clone(), entry.recurrent_state.clone(), entry.num_tokens,
+                                        owned=True)
+                        for key, entry in self.layers.items()}
+        clone._owners = {}
+        return clone
 
     @staticmethod
     def _key(key: Union[CacheKey, torch.nn.Module]) -> CacheKey:
@@ -102,14 +124,17 @@ class GatedDeltaNetCache:
         return self.layers.get(key)
 
     def update(self, key: CacheKey, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-               num_new_tokens: int, owner: Optional[torch.nn.Module] = None) -> LayerState:
+               num_new_tokens: int, owner: Optional[torch.nn.Module] = None, *, owned: bool = False) -> LayerState:
         """Replace the state filed under ``key`` after a call that saw ``num_new_tokens``
-        tokens; ``owner`` (the layer writing) becomes the owner of an entry that has none."""
+        tokens; ``owner`` (the layer writing) becomes the owner of an entry that has none.
+        ``owned``: ``recurrent_state`` is a new tensor no one else holds (an op's output, or
+        the entry's own tensor updated in place), which later inference calls may write in
+        place; a caller's tensor is never written."""
         key = self._key(key)
         self._check_owner(key, owner)
         previous = self.layers.get(key)
         seen = (previous.num_tokens if previous is not None else 0) + num_new_tokens
-        state = LayerState(conv_state, recurrent_state, seen)
+        state = LayerState(conv_state, recurrent_state, seen, owned=bool(owned))
         self.layers[key] = state
         if owner is not None and key not in self._owners:
             self._owners[key] = weakref.ref(owner)
@@ -134,12 +159,16 @@ class GatedDeltaNetCache:
         for state in self.layers.values():
             state.conv_state = state.conv_state.index_select(0, index.to(state.conv_state.device))
             state.recurrent_state = state.recurrent_state.index_select(0, index.to(state.recurrent_state.device))
+            state.owned = True  # new tensors
 
     def detach(self) -> "GatedDeltaNetCache":
-        """Cut the autograd history of every state (truncated backprop through time), in place."""
+        """Cut the autograd history of every state (truncated backprop through time), in place.
+        The detached states share their memory with the graph's, so the next call replaces
+        them rather than writing into them."""
         for state in self.layers.values():
             state.conv_state = state.conv_state.detach()
             state.recurrent_state = state.recurrent_state.detach()
+            state.owned = False
         return self
 
     def reset(self) -> None:

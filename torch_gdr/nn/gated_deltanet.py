@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from torch_gdr import functional as _functional
+from torch_gdr._inplace import inplace_problem
+from torch_gdr._layout import compute_dtype_for
 from torch_gdr.dispatch.registry import smallest_chunk_size
 from torch_gdr.nn._checks import (check_attention_mask, check_backend, check_chunk_size, check_dtype,
                                   check_non_negative_int, check_positive_int)
@@ -320,11 +322,18 @@ class GatedDeltaNet(nn.Module):
         is_step = previous is not None and seq_len == 1 and cu_seqlens is None
         backend = (self.decode_backend or self.backend) if is_step else self.backend
         initial_state = None if previous is None else previous.recurrent_state
+        # inference on a state the cache owns: updated in place (no new state per step)
+        inplace = (previous is not None and previous.owned and cp_context is None
+                   and inplace_problem(initial_state, compute_dtype_for(v.dtype),
+                                       (q, k, v, a, b, self.A_log, self.dt_bias)) is None)
         if cp_context is None and self._use_recurrent_step(seq_len, cu_seqlens, backend):
             o, recurrent_state = _functional.fused_recurrent_gated_delta_rule(
                 q, k, v, a, b, initial_state=initial_state, output_final_state=cache is not None,
-                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=backend, **gating)
+                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=backend, inplace_final_state=inplace,
+                **gating)
         else:
+            if inplace:
+                op = functools.partial(op, inplace_final_state=True)
             o, recurrent_state = op(
                 q, k, v, a, b, **gating,
                 initial_state=initial_state,
@@ -337,7 +346,8 @@ class GatedDeltaNet(nn.Module):
 
         if cache is not None:
             assert conv_state is not None and recurrent_state is not None
-            cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self)
+            # the op's new final state, or the cache's own one updated in place
+            cache.update(self.cache_key, conv_state, recurrent_state, seq_len, owner=self, owned=True)
 
         o = self.norm(o, z)
         return self.out_proj(o.flatten(-2))

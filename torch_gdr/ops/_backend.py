@@ -170,6 +170,10 @@ class Backend:
             offsets)`` for the checkpoints entry, or None.
         pool_step: the step over a state pool in place (the arguments of
             :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`; returns ``o``), or None.
+        step_inplace: ``step_inplace(call, state) -> o``: the step writing its final state
+            into ``state``, the caller's ``initial_state`` (public layout, checked by
+            :mod:`torch_gdr._inplace`), with no new state tensor; None: dispatch runs
+            :attr:`step` and copies its result in (:func:`torch_gdr.dispatch.run.run_step_inplace`).
         may_fail: its kernels can fail at run time (a build or a refusal inside the call),
             which the policy treats as a fallback reason.
         warns_when_unsupported: as the default of its device, it warns (once per reason)
@@ -196,6 +200,7 @@ class Backend:
     step: Optional[StepFn] = None
     checkpoints: Optional[Callable[..., tuple]] = None
     pool_step: Optional[Callable[..., Tensor]] = None
+    step_inplace: Optional[Callable[[Any, Tensor], Tensor]] = None
     may_fail: bool = False
     warns_when_unsupported: bool = False
     error: type[BackendError] = BackendError

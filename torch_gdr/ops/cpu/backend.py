@@ -5,7 +5,8 @@ float32); float64 calls, the reference's dtype, go to ``"torch"`` without a word
 extension cannot be built or loaded (no compiler, a failed build, sources missing) every
 call names that reason: a default call warns once and runs ``"torch"``, strict mode and a
 named ``"cpu"`` raise. fla's gate and beta activations, and their gradients, are computed
-inside its kernels (chunked forward and backward, step, pool step).
+inside its kernels (chunked forward and backward, step, pool step). Its in-place step
+(``inplace_final_state``) runs the pool kernel on the caller's state (:mod:`.inplace`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch_gdr._fallback import CpuBackendError, CpuFallbackWarning
 from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, Reason
 from torch_gdr.ops.cpu import kernels
+from torch_gdr.ops.cpu.inplace import cpu_step_inplace
 from torch_gdr.ops.cpu.op import cpu_bwd, cpu_fwd, cpu_step
 from torch_gdr.ops.cpu.pool import pool_recurrent_fwd
 
@@ -42,6 +44,7 @@ BACKEND = Backend(
     keeps_chunk_states=True,
     step=cpu_step,
     pool_step=pool_recurrent_fwd,
+    step_inplace=cpu_step_inplace,
     error=CpuBackendError,
     warning=CpuFallbackWarning,
     description="the fused C++/OpenMP kernels on CPU tensors",

@@ -15,6 +15,7 @@ from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, Reason
 from torch_gdr.ops.pypto import spec
 from torch_gdr.ops.pypto import _env
 from torch_gdr.ops.pypto.decode import pypto_pool_step
+from torch_gdr.ops.pypto.inplace import pypto_step_inplace
 from torch_gdr.ops.pypto.op import pypto_bwd, pypto_fwd, pypto_step
 
 
@@ -43,6 +44,7 @@ BACKEND = Backend(
     keeps_chunk_states=True,
     step=pypto_step,
     pool_step=pypto_pool_step,
+    step_inplace=pypto_step_inplace,  # its decode kernel on the caller's states as a pool
     may_fail=True,
     warns_when_unsupported=True,
     error=PyptoBackendError,

@@ -11,6 +11,7 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from torch_gdr import ops as _ops  # noqa: F401  (registers the ops)
+from torch_gdr._gating import fused_gdn_gating
 from torch_gdr.functional import chunk_gated_delta_rule, chunked_gated_delta_rule, fused_recurrent_gated_delta_rule
 from torch_gdr import nn  # noqa: E402  (layers built on the op)
 from torch_gdr.ops.cpu._build import CpuKernelBuildWarning
@@ -18,7 +19,7 @@ from torch_gdr.ops.cpu._build import CpuKernelBuildWarning
 __version__ = "0.1.0"
 
 __all__ = ["CpuKernelBuildWarning", "chunk_gated_delta_rule", "chunked_gated_delta_rule",
-           "fused_recurrent_gated_delta_rule", "integrations", "nn", "__version__"]
+           "fused_gdn_gating", "fused_recurrent_gated_delta_rule", "integrations", "nn", "__version__"]
 
 _LAZY_SUBMODULES = ("integrations", "distributed", "dispatch", "ref", "testing")
 

@@ -201,3 +201,66 @@ def gating_backward(call: "GdrCall", dg: Tensor, dbeta: Tensor
         slope = sig * (1.0 - sig) * (2.0 if call.allow_neg_eigval else 1.0)
         dbeta = (dbeta.to(dtype) * slope).to(call.beta.dtype)
     return dg, dbeta, d_a_log, d_dt_bias
+
+
+def _check_gdn_gating_args(A_log: object, a: object, b: object, dt_bias: object, beta: object,
+                           threshold: object) -> None:
+    """The checks of :func:`fused_gdn_gating`; ``TypeError``/``ValueError`` naming the argument."""
+    for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), "
+                            f"got {t.dtype}")
+    assert isinstance(a, Tensor) and isinstance(b, Tensor)
+    assert isinstance(A_log, Tensor) and isinstance(dt_bias, Tensor)
+    if a.dim() not in (2, 3):
+        raise ValueError(f"a: expected shape [T, HV] (vLLM's) or [B, T, HV], got {list(a.shape)}")
+    if b.shape != a.shape:
+        raise ValueError(f"b: expected the shape of a, {list(a.shape)}, got {list(b.shape)}")
+    num_heads = a.shape[-1]
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if list(t.shape) != [num_heads]:
+            raise ValueError(f"{name}: expected shape [HV] = [{num_heads}] (the last dim of a), got {list(t.shape)}")
+    for name, t in (("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.device != a.device:
+            raise ValueError(f"{name}: expected a tensor on {a.device} (the device of a), got one on {t.device}")
+    for name, value in (("beta", beta), ("threshold", threshold)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    if beta <= 0:  # type: ignore[operator]
+        raise ValueError(f"beta: expected a positive float (softplus(x) = log(1 + exp(beta * x)) / beta), "
+                         f"got {beta!r}")
+
+
+def fused_gdn_gating(A_log: Tensor, a: Tensor, b: Tensor, dt_bias: Tensor, beta: float = 1.0,
+                     threshold: float = 20.0) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's gate and beta activations, with vLLM's and SGLang's signature::
+
+        g           = -exp(A_log) * softplus(a + dt_bias, beta, threshold)
+        beta_output = sigmoid(b)
+
+    where ``softplus(x, beta, threshold) = log(1 + exp(beta * x)) / beta``, and ``x`` where
+    ``beta * x > threshold`` (torch's :func:`torch.nn.functional.softplus`; the ``beta`` here is
+    softplus's sharpness, not the delta rule's beta).
+
+    Shapes: ``a``, ``b`` ``[T, HV]`` (vLLM's: one row per token) or ``[B, T, HV]``;
+    ``A_log``, ``dt_bias`` ``[HV]``; any floating dtypes, one device. Returns ``(g,
+    beta_output)``, both ``[1, T, HV]`` for 2-D inputs (as vLLM's, ready for the ops'
+    ``[B, T, HV]``), else ``[B, T, HV]``. ``g`` is float32 (float64 when an input is float64);
+    ``beta_output`` has the dtype of ``b``, computed in float32 (float64) and rounded once.
+    Plain torch: differentiable in ``A_log``, ``a``, ``b`` and ``dt_bias``, and traceable by
+    ``torch.compile(fullgraph=True)``. Engines compute the two once per layer step and pass
+    them to both :func:`torch_gdr.chunk_gated_delta_rule` and
+    :func:`torch_gdr.fused_recurrent_gated_delta_rule`.
+    """
+    _check_gdn_gating_args(A_log, a, b, dt_bias, beta, threshold)
+    dtype = gating_dtype(a, A_log, dt_bias)
+    x = a.to(dtype) + dt_bias.to(dtype)
+    g = -A_log.to(dtype).exp() * F.softplus(x, beta=float(beta), threshold=float(threshold))
+    beta_output = b.to(gating_dtype(b)).sigmoid().to(b.dtype)
+    if a.dim() == 2:
+        g, beta_output = g.unsqueeze(0), beta_output.unsqueeze(0)
+    return g, beta_output

@@ -83,7 +83,11 @@ def _single_step(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, 
     decay = g.reshape(nh, 1, 1).to(state.dtype).exp()
     state = state.mul_(decay) if owned else torch.mul(state, decay)
     predicted, queried = torch.bmm(kq, state).unbind(1)  # (a S)^T k, (a S)^T y
-    update = torch.sub(v.reshape(nh, -1).to(state.dtype), predicted).mul_(beta.reshape(nh, 1))
+    # v as [N, HV, V] (a view for any strides: packed q/k/v slices are not copied), predicted
+    # split to match; the difference is this call's contiguous tensor
+    rows = v.squeeze(1)
+    update = torch.sub(rows.to(state.dtype), predicted.unflatten(0, rows.shape[:2])).view(nh, -1)
+    update.mul_(beta.reshape(nh, 1))
     o = torch.addcmul(queried, torch.linalg.vecdot(key, query).unsqueeze_(-1), update)
     state.addcmul_(key.unsqueeze(-1), update.unsqueeze(1))
     return o, state

@@ -1,0 +1,48 @@
+"""A pytest plugin for the engines' tests run on a CPU-only machine (tests only).
+
+The engines' GDN tests create their tensors on ``torch.device("cuda:0")``. While each test
+runs, a torch function mode maps every CUDA device argument of a torch call (factories,
+``Tensor.to``, ``Tensor.cuda``) to the CPU, so the test runs unchanged on the CPU against
+the stand-ins. ``torch.cuda.synchronize`` becomes a no-op. Loaded by
+``bench/run_engine_tests.py`` with ``-p cuda_on_cpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _map(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return _CPU
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "cpu"
+    return value
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU; ``Tensor.cuda()`` returns the tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _map(kwargs["device"])
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+                    torch.Tensor.new_full, torch.Tensor.new_tensor):
+            args = tuple(_map(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    with CudaOnCpu():
+        yield

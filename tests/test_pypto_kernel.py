@@ -560,6 +560,56 @@ def test_cost_model_runs_half_inputs_in_bodies_of_several_value_heads(gating: bo
     assert result["total_cycles"] > 0 and result["tasks_per_chunk_head"] > 0
 
 
+def test_two_calls_that_differ_only_in_scale_each_match_the_reference() -> None:
+    """The forward kernel is cached per configuration, ``scale`` included: the second call,
+    of the same shape with another scale, must not run the first call's kernel. The smallest
+    call the kernel takes (one sequence, one head, K = V = 64, one chunk of 32); each result
+    against the float64 recurrence. (The slow case below also varies the l2norm flag and the
+    initial state.)"""
+    from torch_gdr.testing import make_inputs as shared_inputs
+    from torch_gdr.testing import rmse_ratio
+
+    torch_gdr.dispatch.cache_clear()
+    inputs = shared_inputs(seq_len=20, num_qk_heads=1, num_v_heads=1, head_k_dim=64, head_v_dim=64,
+                           dtype=torch.float32, normalize_qk=True)
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    try:
+        for scale in (None, 0.3):  # None: K ** -0.5 = 0.125
+            o, state = torch_gdr.chunk_gated_delta_rule(*args, scale=scale, output_final_state=True, chunk_size=32,
+                                                        backend="pypto")
+            ref_o, ref_state = naive_recurrent_gated_delta_rule(*(a.double() for a in args), scale=scale,
+                                                                output_final_state=True)
+            assert rmse_ratio(ref_o, o) < 1e-4, scale
+            assert rmse_ratio(ref_state, state) < 1e-4, scale
+    finally:
+        torch_gdr.dispatch.cache_clear()
+
+
+def test_two_decode_steps_that_differ_only_in_scale_each_match_the_reference() -> None:
+    """The decode kernel's cache key holds ``scale`` too: two steps over a pool (one
+    sequence, one token, K = V = 64) with different scales, each against the float64
+    recurrence from the pool row it starts from."""
+    from torch_gdr.testing import make_inputs as shared_inputs
+    from torch_gdr.testing import rmse_ratio
+
+    torch_gdr.dispatch.cache_clear()
+    inputs = shared_inputs(seq_len=1, num_qk_heads=1, num_v_heads=1, head_k_dim=64, head_v_dim=64,
+                           dtype=torch.float32, normalize_qk=True, with_initial_state=True)
+    start = inputs.pop("initial_state").float()
+    try:
+        for scale in (None, 0.3):
+            pool = torch.cat([torch.zeros_like(start), start])
+            with torch.no_grad():
+                o, _ = torch_gdr.fused_recurrent_gated_delta_rule(**inputs, scale=scale, initial_state=pool,
+                                                                  ssm_state_indices=torch.tensor([1]), backend="pypto")
+            ref_o, ref_state = naive_recurrent_gated_delta_rule(**{n: t.double() for n, t in inputs.items()},
+                                                                scale=scale, initial_state=start.double())
+            assert rmse_ratio(ref_o, o) < 1e-4, scale
+            assert rmse_ratio(ref_state, pool[1:]) < 1e-4, scale
+    finally:
+        torch_gdr.dispatch.cache_clear()
+
+
 @pytest.mark.slow
 def test_calls_that_differ_only_in_scale_l2norm_or_initial_state_each_match_the_reference() -> None:
     """Kernels are cached per configuration: a call that differs from the previous one only in

@@ -4,7 +4,9 @@ A backend the caller named (``backend=...`` or ``TORCH_GDR_BACKEND``) is a deman
 cannot serve a call, the call raises the backend's :class:`BackendError`. A backend chosen by
 default for the device falls back to the pure-torch path and warns once per (backend,
 reason) with its :class:`FallbackWarning`; ``TORCH_GDR_STRICT=1`` makes every fallback an
-error. Reasons are plain strings that say what the backend lacks, as fla's verifiers do.
+error. The policy takes a reason's words (``Reason.text``, several joined by
+:func:`~torch_gdr.ops._backend.reason_text`), which say what the backend lacks, as fla's
+verifiers do.
 """
 
 from __future__ import annotations

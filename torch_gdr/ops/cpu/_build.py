@@ -241,7 +241,7 @@ def _build_at_first_use(passed_over: Optional[str] = None) -> tuple[Optional[Mod
     reporting = _variants.progress(_say, f"compiling the fused CPU kernels ({variant()!r} variant) into {directory}",
                                    HEARTBEAT_SECONDS) if compiles else contextlib.nullcontext()
     try:
-        with _exclusive(directory), reporting:
+        with reporting, _exclusive(directory):  # lines while it waits on another process too
             module = cpp_extension.load(
                 name=name,
                 sources=[str(_SOURCE_DIR / s) for s in _SOURCES],

@@ -471,6 +471,103 @@ def _decode_rows_fake(ssm_state_indices: Tensor, num_accepted_tokens: Optional[T
 
 
 # ---------------------------------------------------------------------------------------------
+# Trees and intermediate states of a decode step.
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """The host tables of a decode step with a token tree and/or an intermediate buffer
+    (from :func:`check_serving_extras`).
+
+    Attributes:
+        parents: per sequence, the parent of each of its tokens (-1: the start state), or
+            None (a chain: token j follows token j - 1).
+        buffer_rows: per sequence, its row of the intermediate buffer (``[R, S_buf, ...]``;
+            without a buffer, sequence n's row of a float32 scratch buffer, n).
+        buffer_width: ``S_buf``, the slots of one buffer row.
+    """
+
+    parents: Optional[list[list[int]]]
+    buffer_rows: list[int]
+    buffer_width: int
+
+
+def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Optional[Tensor],
+                         intermediate_states_buffer: Optional[Tensor], intermediate_state_indices: Optional[Tensor],
+                         disable_state_update: bool) -> ServePlan:
+    """The rules of a decode step's tree and intermediate buffer (``ValueError``/``TypeError``
+    naming the argument); index values are read on the host.
+
+    Args:
+        plan: the step's :class:`PoolPlan` (decode, host offsets read).
+        pool: the state pool ``[slots, HV, ...]``.
+        retrieve_parent_token: ``[N, P]`` int32/int64 with ``P`` >= the longest sequence: token
+            j of sequence n starts from the state after token ``retrieve_parent_token[n, j]``
+            of the same sequence (-1: the sequence's start state); a parent comes before its
+            child. Entries past a sequence's length are ignored. Or None.
+        intermediate_states_buffer: ``[R, S_buf, HV, ...]`` in the pool's layout (its inner
+            dims equal the pool's), float32, bfloat16 or float16, contiguous, on the pool's
+            device, ``S_buf`` >= the longest sequence; or None.
+        intermediate_state_indices: ``[N]`` int32/int64 in ``[0, R)``, distinct among the
+            sequences with tokens: the state after token j of sequence n goes to
+            ``buffer[intermediate_state_indices[n], j]``. Given exactly with the buffer.
+        disable_state_update: the pool is read, not written.
+    """
+    lens, num_seqs = plan.seq_lens, plan.num_seqs
+    longest = max(lens, default=0)
+    if not isinstance(disable_state_update, bool):
+        raise TypeError(f"disable_state_update: expected a bool, got {type(disable_state_update).__name__}")
+    parents = None
+    if retrieve_parent_token is not None:
+        t = _check_index_tensor("retrieve_parent_token", retrieve_parent_token, pool.device, (2,), "[N, S]")
+        if t.shape[0] != num_seqs or t.shape[1] < max(longest, 1):
+            raise ValueError(f"retrieve_parent_token: expected shape [N, S] with N = {num_seqs} sequences and S >= "
+                             f"{max(longest, 1)} (the longest sequence), got {_shape(t)}")
+        parents = _host(t).tolist()
+        for n in range(num_seqs):
+            for j in range(lens[n]):
+                if not -1 <= parents[n][j] < j:
+                    raise ValueError(f"retrieve_parent_token: expected a parent before its child (-1: the start "
+                                     f"state, or a token in 0..{j - 1}), got {parents[n][j]} at [{n}, {j}]")
+    buffer, rows = intermediate_states_buffer, intermediate_state_indices
+    if (buffer is None) != (rows is None):
+        given, missing = (("intermediate_states_buffer", "intermediate_state_indices") if rows is None
+                          else ("intermediate_state_indices", "intermediate_states_buffer"))
+        raise ValueError(f"{missing}: expected together with {given}, got None")
+    if buffer is None:
+        return ServePlan(parents, list(range(num_seqs)), max(longest, 1))
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"intermediate_states_buffer: expected a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dtype not in POOL_DTYPES:
+        raise TypeError(f"intermediate_states_buffer: expected dtype float32, bfloat16 or float16, got {buffer.dtype}")
+    inner = list(pool.shape[1:])
+    if buffer.dim() != 5 or list(buffer.shape[2:]) != inner or buffer.shape[1] < max(longest, 1) or buffer.shape[0] < 1:
+        raise ValueError(f"intermediate_states_buffer: expected shape [R, S, {', '.join(map(str, inner))}] (the "
+                         f"pool's layout) with S >= {max(longest, 1)} (the longest sequence), got {_shape(buffer)}")
+    if buffer.device != pool.device:
+        raise ValueError(f"intermediate_states_buffer: expected a tensor on {pool.device} (the pool's device), got "
+                         f"{buffer.device}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"intermediate_states_buffer: expected a contiguous tensor, got strides {list(buffer.stride())}")
+    idx = _check_index_tensor("intermediate_state_indices", rows, pool.device, (1,), "[N]")
+    if idx.shape[0] != num_seqs:
+        raise ValueError(f"intermediate_state_indices: expected shape [N] = [{num_seqs}], got {_shape(idx)}")
+    values = _host(idx).tolist()
+    seen: dict[int, int] = {}
+    for n, row in enumerate(values):
+        if not 0 <= row < buffer.shape[0]:
+            raise ValueError(f"intermediate_state_indices: expected buffer rows in [0, R) = [0, {buffer.shape[0]}), "
+                             f"got {row} at {n}")
+        if lens[n] == 0:
+            continue
+        if row in seen:
+            raise ValueError(f"intermediate_state_indices: row {row} is written twice in one call (sequences "
+                             f"{seen[row]} and {n}); every sequence's buffer row must be distinct")
+        seen[row] = n
+    return ServePlan(parents, values, buffer.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows in and out of the pool.
 
 

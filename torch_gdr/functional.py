@@ -13,6 +13,7 @@ from torch_gdr._layout import canonical_call, compute_dtype_for
 from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, token_states_buffer
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
+from torch_gdr.dispatch.pool_serve import run_pool_serve
 from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step, run_step_inplace
 from torch_gdr.ops._backend import OpArgs
 from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
@@ -313,6 +314,10 @@ def fused_recurrent_gated_delta_rule(
     inplace_final_state: Optional[bool] = None,
     validate: bool = True,
     initial_state_indices: Optional[torch.Tensor] = None,
+    retrieve_parent_token: Optional[torch.Tensor] = None,
+    intermediate_states_buffer: Optional[torch.Tensor] = None,
+    intermediate_state_indices: Optional[torch.Tensor] = None,
+    disable_state_update: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule one token at a time, for decoding and short inputs, a drop-in for
     ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (pass ``beta`` by name, as
@@ -345,7 +350,14 @@ def fused_recurrent_gated_delta_rule(
     not with ``num_accepted_tokens``): sequence n starts from row ``initial_state_indices[n]``
     instead (-1: a zero state), a decode that reads one row and writes others (FlashInfer's
     ``output_state_indices``); a row it reads may be written in the call by its own sequence
-    only. Inference only. ``validate``: check the indices also when they live
+    only. Token trees (EAGLE): ``retrieve_parent_token [N, S]`` (int32/int64): token j of
+    sequence n starts from the state after token ``retrieve_parent_token[n, j]`` of the same
+    sequence (-1: the sequence's start state); a parent comes before its child. Intermediate
+    states in place (SGLang's and FlashInfer's): ``intermediate_states_buffer [R, S_buf, HV,
+    K, V]`` (the pool's layout, float32/bfloat16/float16, contiguous) with
+    ``intermediate_state_indices [N]`` receives the state after token j of sequence n at
+    ``buffer[intermediate_state_indices[n], j]``; ``disable_state_update=True``: the pool is
+    read, not written. Inference only. ``validate``: check the indices also when they live
     on a device (a host sync); CPU indices are always checked.
 
     Without a pool, ``inplace_final_state=True`` writes the final state into ``initial_state``
@@ -386,6 +398,14 @@ def fused_recurrent_gated_delta_rule(
         beta = torch.ones(lead, dtype=torch.float32, device=v.device)
     if num_accepted_tokens is not None and ssm_state_indices is None:
         raise ValueError("num_accepted_tokens: only with ssm_state_indices (a state pool), got a tensor without them")
+    serving = dict(retrieve_parent_token=retrieve_parent_token, intermediate_states_buffer=intermediate_states_buffer,
+                   intermediate_state_indices=intermediate_state_indices)
+    for name, value in serving.items():
+        if value is not None and ssm_state_indices is None:
+            raise ValueError(f"{name}: only with ssm_state_indices (a state pool), got a tensor without them")
+    if disable_state_update is not False and ssm_state_indices is None:
+        raise ValueError("disable_state_update: only with ssm_state_indices (a state pool)")
+    serving["disable_state_update"] = disable_state_update
     if initial_state_indices is not None and ssm_state_indices is None:
         raise ValueError("initial_state_indices: the decode's start rows, only with ssm_state_indices (a state "
                          "pool), got a tensor without them")
@@ -402,7 +422,7 @@ def fused_recurrent_gated_delta_rule(
     if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace,
-                          validate, gating, initial_state_indices)
+                          validate, gating, initial_state_indices, serving)
     if inplace:
         state = check_inplace_state(initial_state, compute_dtype_for(_wider(q.dtype, v.dtype)),
                                     (q, k, v, g, beta, A_log, dt_bias))
@@ -422,7 +442,7 @@ def fused_recurrent_gated_delta_rule(
 
 def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
                ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating,
-               initial_state_indices=None):
+               initial_state_indices=None, serving=None):
     """The step over a state pool on the backend serving it: in place, or with the state
     after every token in a new tensor (``inplace_final_state=False``)."""
     if not isinstance(inplace_final_state, bool):
@@ -440,6 +460,15 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                   dt_bias=gating["dt_bias"])
     step = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
                 backend=backend, gating=Gating(**gating))
+    if serving and (any(serving[n] is not None for n in ("retrieve_parent_token", "intermediate_states_buffer",
+                                                          "intermediate_state_indices"))
+                    or serving["disable_state_update"] is not False):
+        if not inplace_final_state:
+            raise ValueError("inplace_final_state: False returns the states as a new tensor; with "
+                             "retrieve_parent_token, an intermediate buffer or disable_state_update pass True")
+        o = run_pool_serve(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                           initial_state_indices=initial_state_indices, validate=validate, **serving, **step)
+        return o, pool
     if inplace_final_state:
         o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
                           initial_state_indices=initial_state_indices, **step)

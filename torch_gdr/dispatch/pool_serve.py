@@ -1,0 +1,162 @@
+"""Decode steps with a token tree or intermediate states, on any backend's pool step.
+
+A tree step (``retrieve_parent_token``, EAGLE's token trees) and a step that keeps the state
+after every token in the caller's buffer (``intermediate_states_buffer``; with
+``disable_state_update`` the pool is only read) run as plain pool steps of the selected
+backend over the buffer viewed as a pool of ``R * S_buf`` rows (or, without a buffer, a
+float32 scratch buffer ``[N, S_buf, ...]`` in the pool's layout): the state after token j of
+sequence n lives in row ``buffer_row[n] * S_buf + j``. A sequence's start state is copied
+into the row of its first token, which the step reads and then overwrites (a sequence may
+overwrite the row it reads); a chain (no tree) is then one step of the backend. A tree runs
+one step per depth: every token of depth d is a one-token sequence that starts from its
+parent's row. Afterwards, unless ``disable_state_update``, the states go to their pool rows
+``ssm_state_indices[n, j]``, rounded to the pool's dtype.
+
+The rules are :mod:`torch_gdr._pool`'s (:func:`~torch_gdr._pool.check_pool_args`,
+:func:`~torch_gdr._pool.check_serving_extras`). The whole step is the op
+``gdr::_pool_serve_step`` (it mutates the pool and the buffer; its fake gives ``o``), so
+``torch.compile`` records one node and the checks, which read index values, run in its
+eager body at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_gdr import _pool
+from torch_gdr._gating import Gating
+from torch_gdr.dispatch.run import run_pool_step
+
+Tensor = torch.Tensor
+
+
+def run_pool_serve(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *,
+                   initial_state_indices: Optional[Tensor], retrieve_parent_token: Optional[Tensor],
+                   intermediate_states_buffer: Optional[Tensor], intermediate_state_indices: Optional[Tensor],
+                   disable_state_update: bool, cu_seqlens: Optional[Tensor], use_qk_l2norm_in_kernel: bool,
+                   state_v_first: bool, validate: bool, backend: Optional[str], gating: Gating) -> Tensor:
+    """The decode step with a tree and/or intermediate states (module docstring); the
+    arguments of :func:`torch_gdr.fused_recurrent_gated_delta_rule`. Returns ``o`` in v's
+    shape and dtype."""
+    for name, t in (("retrieve_parent_token", retrieve_parent_token),
+                    ("intermediate_state_indices", intermediate_state_indices)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected an integer torch.Tensor, got {type(t).__name__}")
+    if intermediate_states_buffer is not None and not isinstance(intermediate_states_buffer, Tensor):
+        raise TypeError(f"intermediate_states_buffer: expected a torch.Tensor, got "
+                        f"{type(intermediate_states_buffer).__name__}")
+    if not isinstance(disable_state_update, bool):
+        raise TypeError(f"disable_state_update: expected a bool, got {type(disable_state_update).__name__}")
+    _pool.check_pool_tensors(q, v, pool, state_v_first)
+    return _serve_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices,
+                     retrieve_parent_token, intermediate_states_buffer, intermediate_state_indices,
+                     disable_state_update, cu_seqlens, None if scale is None else float(scale),
+                     bool(use_qk_l2norm_in_kernel), bool(state_v_first), bool(validate), backend, *gating)
+
+
+def _serve_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, ssm_state_indices: Tensor,
+                num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
+                retrieve_parent_token: Optional[Tensor], intermediate_states_buffer: Optional[Tensor],
+                intermediate_state_indices: Optional[Tensor], disable_state_update: bool,
+                cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                state_v_first: bool, validate: bool, backend: Optional[str], use_gate_in_kernel: bool = False,
+                A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False) -> Tensor:
+    """The op's eager body: the checks, then the backend's steps over the buffer."""
+    gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+                                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                                 start_indices=initial_state_indices, in_place=not disable_state_update,
+                                 validate=True)
+    serve = _pool.check_serving_extras(plan, pool, retrieve_parent_token, intermediate_states_buffer,
+                                       intermediate_state_indices, disable_state_update)
+    device, width = pool.device, serve.buffer_width
+    buffer = intermediate_states_buffer
+    if buffer is None:  # scratch rows for the states after each token, float32
+        buffer = torch.empty((plan.num_seqs, width, *pool.shape[1:]), dtype=torch.float32, device=device)
+    work = buffer.view(-1, *pool.shape[1:])  # a pool of R * S_buf rows
+    lens = plan.seq_lens
+
+    def slot(n: int, j: int) -> int:
+        return serve.buffer_rows[n] * width + j
+
+    def rows(values: list) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    start_states = _pool.pool_gather(pool, plan.start_rows, state_v_first)  # [N, HV, K, V] float32
+    step = dict(cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+                validate=False, backend=backend, gating=gating)
+    if serve.parents is None:  # a chain: one step of the backend over the buffer's rows
+        first = [slot(n, 0) if lens[n] > 0 else -1 for n in range(plan.num_seqs)]
+        _pool.pool_scatter(work, rows(first), start_states, state_v_first)
+        table = [[slot(n, j) if j < lens[n] else -1 for j in range(max(max(lens, default=0), 1))]
+                 for n in range(plan.num_seqs)]
+        step["cu_seqlens"] = cu_seqlens
+        o = run_pool_step(q, k, v, g, beta, scale, work, rows(table), None, initial_state_indices=rows(first), **step)
+    else:
+        o = _tree_steps(q, k, v, g, beta, scale, work, plan, serve, start_states, slot, rows, step)
+    if not disable_state_update:
+        targets, sources = [], []
+        table = plan.indices.tolist()
+        for n in range(plan.num_seqs):
+            for j in range(lens[n]):
+                if table[n][j] >= 0:
+                    targets.append(table[n][j])
+                    sources.append(slot(n, j))
+        if targets:
+            states = work.index_select(0, rows(sources))
+            if state_v_first:
+                states = states.transpose(-1, -2)
+            _pool.pool_scatter(pool, rows(targets), states, state_v_first)
+    return o
+
+
+def _tree_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], work: Tensor,
+                plan: _pool.PoolPlan, serve: _pool.ServePlan, start_states: Tensor, slot, rows, step: dict) -> Tensor:
+    """One backend step per depth of the trees: the tokens of depth d, each a one-token
+    sequence from its parent's row (the start state copied into the token's own row for
+    children of -1). Returns ``o`` in v's shape and dtype."""
+    depth: dict[tuple[int, int], int] = {}
+    levels: list[list[tuple[int, int]]] = []
+    for n in range(plan.num_seqs):
+        for j in range(plan.seq_lens[n]):
+            parent = serve.parents[n][j]
+            d = 0 if parent < 0 else depth[n, parent] + 1
+            depth[n, j] = d
+            while len(levels) <= d:
+                levels.append([])
+            levels[d].append((n, j))
+    flat = [x.reshape(-1, *x.shape[(1 if plan.token_major else 2):]) for x in (q, k, v, g, beta)]
+    o = torch.empty_like(flat[2])
+    roots = [(n, j) for n, j in levels[0]] if levels else []
+    if roots:
+        _pool.pool_scatter(work, rows([slot(n, j) for n, j in roots]),
+                           start_states.index_select(0, rows([n for n, _ in roots])), step["state_v_first"])
+    for level in levels:
+        tokens = rows([plan.bos[n] + j for n, j in level])
+        pieces = [x.index_select(0, tokens).unsqueeze(1) for x in flat]  # [M, 1, ...]
+        write = rows([slot(n, j) for n, j in level])
+        read = rows([slot(n, serve.parents[n][j]) if serve.parents[n][j] >= 0 else slot(n, j) for n, j in level])
+        o_level = run_pool_step(*pieces, scale, work, write, None, initial_state_indices=read, **step)
+        o.index_copy_(0, tokens, o_level[:, 0])
+    return o.reshape(v.shape)
+
+
+_SERVE_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor ssm_state_indices, "
+                 "Tensor? num_accepted_tokens, Tensor? initial_state_indices, Tensor? retrieve_parent_token, "
+                 "Tensor(b!)? intermediate_states_buffer, Tensor? intermediate_state_indices, "
+                 "bool disable_state_update, Tensor? cu_seqlens, float? scale, bool use_qk_l2norm_in_kernel, "
+                 "bool state_v_first, bool validate, str? backend, bool use_gate_in_kernel=False, "
+                 "Tensor? A_log=None, Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, "
+                 "bool allow_neg_eigval=False) -> Tensor")
+
+_serve_op = torch.library.custom_op("gdr::_pool_serve_step", _serve_impl,
+                                    mutates_args=("pool", "intermediate_states_buffer"), schema=_SERVE_SCHEMA)
+
+
+@_serve_op.register_fake
+def _serve_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, *args, **kwargs) -> Tensor:
+    return torch.empty_like(v)

@@ -50,17 +50,20 @@ def reference_model() -> Any:
 
 
 class CountCalls:
-    """Counts calls of torch_gdr's public op (what the patched model must go through)."""
+    """Counts calls of torch_gdr's public ops (what the patched model must go through): the
+    chunked one, and the step that in-place decode runs."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[int] = []
-        original = torch_gdr.functional.chunk_gated_delta_rule
+        for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
+            monkeypatch.setattr(torch_gdr.functional, name, self._counted(getattr(torch_gdr.functional, name)))
 
+    def _counted(self, original):
         def counted(q, *args, **kwargs):
             self.calls.append(q.shape[1])
             return original(q, *args, **kwargs)
 
-        monkeypatch.setattr(torch_gdr.functional, "chunk_gated_delta_rule", counted)
+        return counted
 
 
 def test_hf_layer_weights_load_by_name_and_outputs_match() -> None:

@@ -12,7 +12,9 @@ transformers' own kernels. Nothing of transformers is imported here (the model i
 inspected duck-typed) and none of its code is copied: the layer's own ``forward`` keeps
 doing the projections, the conv and the cache bookkeeping; only its two gated delta rule
 calls, the chunked one (prefill) and the recurrent one (single-token decode), are routed
-to :func:`torch_gdr.chunk_gated_delta_rule`.
+to :func:`torch_gdr.chunk_gated_delta_rule`, decode steps in inference to
+:func:`torch_gdr.fused_recurrent_gated_delta_rule` writing the cache's state in place
+(``inplace_decode``).
 
 Two layouts of transformers are handled:
 
@@ -35,6 +37,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_gdr import functional as _functional
+from torch_gdr._inplace import inplace_problem
+from torch_gdr._layout import compute_dtype_for
 from torch_gdr.dispatch.registry import smallest_chunk_size
 from torch_gdr.nn._checks import check_backend, check_chunk_size
 
@@ -46,10 +50,13 @@ _RECURRENT_NAMES = ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_d
                     "recurrent_gated_delta_rule")
 
 
-def _make_kernels(backend: Optional[str], default_chunk_size: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _make_kernels(backend: Optional[str], default_chunk_size: int,
+                  inplace_decode: bool = True) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The two replacement kernels, with the calling convention of transformers/fla:
     ``(query, key, value, g=, beta=, initial_state=, output_final_state=,
-    use_qk_l2norm_in_kernel=, cu_seqlens=, **ignored) -> (o, final_state | None)``."""
+    use_qk_l2norm_in_kernel=, cu_seqlens=, **ignored) -> (o, final_state | None)``.
+    ``inplace_decode``: decode steps write the final state into ``initial_state`` (the
+    cache's tensor) where it can take it, and return that tensor."""
 
     def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: Optional[float], initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -78,11 +85,29 @@ def _make_kernels(backend: Optional[str], default_chunk_size: int) -> tuple[Call
                                              cu_seqlens: Optional[torch.Tensor] = None,
                                              scale: Optional[float] = None,
                                              **ignored: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Decode steps (usually one token): the op with the smallest chunk."""
+        """Decode steps (usually one token): in place into the cache's state where it can
+        be written (:func:`_decodes_in_place`), else the op with the smallest chunk."""
+        if inplace_decode and _decodes_in_place(query, key, value, g, beta, initial_state, output_final_state):
+            return _functional.fused_recurrent_gated_delta_rule(
+                query, key, value, g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, backend=backend,
+                inplace_final_state=True)
         return call(query, key, value, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     cu_seqlens, smallest_chunk_size(backend, query.device))
 
     return torch_gdr_chunk_gated_delta_rule, torch_gdr_recurrent_gated_delta_rule
+
+
+def _decodes_in_place(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, initial_state: Optional[torch.Tensor], output_final_state: bool) -> bool:
+    """Whether a decode step may write its final state into ``initial_state``: transformers'
+    linear-attention cache passes its own state tensor and copies the returned one into it
+    (a copy onto itself is free), so in inference (nothing recorded by autograd) with a
+    writable state (:mod:`torch_gdr._inplace`) the step needs no new state."""
+    if initial_state is None or not output_final_state or not isinstance(initial_state, torch.Tensor):
+        return False
+    wide = torch.float64 if torch.float64 in (query.dtype, value.dtype) else torch.float32
+    return inplace_problem(initial_state, compute_dtype_for(wide), (query, key, value, g, beta)) is None
 
 
 def _is_gated_deltanet(module: torch.nn.Module) -> bool:
@@ -162,7 +187,8 @@ def is_patched(module: torch.nn.Module) -> bool:
     return hasattr(module, _PATCH_ATTR)
 
 
-def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chunk_size: int = 64) -> torch.nn.Module:
+def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chunk_size: int = 64,
+                  inplace_decode: bool = True) -> torch.nn.Module:
     """Make a transformers model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo-Hybrid, ...) use torch_gdr.
 
     Every ``*GatedDeltaNet`` layer of transformers inside ``model`` routes its chunked
@@ -176,13 +202,22 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
             ``OlmoHybridForCausalLM``, a bare model, or one layer.
         backend: the op's backend (None: the op's default for the device).
         chunk_size: the op's chunk size for multi-token calls.
+        inplace_decode: single-token decode steps in inference write the new state into the
+            state tensor transformers' cache passes (``inplace_final_state``, through
+            :func:`torch_gdr.fused_recurrent_gated_delta_rule`), instead of returning a new
+            one the cache then copies in: no new state per step, the same tokens and logits
+            (up to rounding). Steps autograd records, or states that cannot be written (see
+            :mod:`torch_gdr._inplace`), take the chunked op as with False. A state tensor
+            taken out of the cache during ``generate`` changes with every step (deep-copy
+            the cache to keep one, as transformers' prefix caching does).
 
     Returns:
         ``model`` itself, patched in place.
 
     Raises:
         ValueError: the model has no Gated DeltaNet layer of transformers, or ``backend`` or
-            ``chunk_size`` is not one the op takes (``TypeError`` for one of the wrong type).
+            ``chunk_size`` is not one the op takes (``TypeError`` for one of the wrong type,
+            or an ``inplace_decode`` that is not a bool).
         TypeError: ``model`` is not a ``torch.nn.Module``, or the layers are of a layout this
             function does not know.
     """
@@ -191,7 +226,9 @@ def use_torch_gdr(model: torch.nn.Module, *, backend: Optional[str] = None, chun
                         f"{type(model).__name__}")
     backend = check_backend("backend", backend)
     check_chunk_size("chunk_size", chunk_size)
-    chunk, recurrent = _make_kernels(backend, chunk_size)
+    if not isinstance(inplace_decode, bool):
+        raise TypeError(f"inplace_decode: expected a bool, got {type(inplace_decode).__name__} {inplace_decode!r}")
+    chunk, recurrent = _make_kernels(backend, chunk_size, inplace_decode)
     layers = [m for m in model.modules() if _is_gated_deltanet(m)]
     if not layers:
         raise ValueError(f"use_torch_gdr: {type(model).__name__} has no Gated DeltaNet layer of transformers")

@@ -48,6 +48,11 @@ class TestFile:
     options: tuple[str, ...] = ()
 
 
+_FLASHINFER = "fb28d7242b3506a2348265962041acc1fb56cca4"
+#: beside each FlashInfer file: the package marker, the directory's conftest (its input
+#: factory fixture) and the reference module the tests import relatively
+_FLASHINFER_IMPORTS = tuple((_FLASHINFER, p) for p in ("tests/__init__.py", "tests/gdn/conftest.py",
+                                                        "tests/gdn/reference_delta_rule.py"))
 _VLLM_CONV = "vLLM's causal-conv1d ops and its layer code (not the GDN kernels torch_gdr serves)"
 
 #: engine -> its test files. Commits: the versions read from the public repositories
@@ -63,7 +68,15 @@ ENGINES: dict[str, tuple[TestFile, ...]] = {
         TestFile("test/srt/cpu/test_mamba.py", "6bfad8f187aa80f7c9a2a06f7861409c4e3a4ad2",
                  imports=(("13ed97385bbfd6d15a801ffbfed1c8286f46877d", "test/srt/cpu/utils.py"),)),
     ),
-    "flashinfer": (),  # filled in below
+    "flashinfer": tuple(
+        TestFile(f"tests/gdn/{name}", _FLASHINFER, imports=_FLASHINFER_IMPORTS, select=select,
+                 options=("--import-mode=importlib",))  # FlashInfer's pytest.ini
+        for name, select in (
+            ("test_prefill_delta_rule.py", ""),
+            ("test_prefill_state_indices.py", ""),
+            ("test_decode_pretranspose_noncontiguous_pool.py", ""),
+            ("test_decode_pretranspose_bf16_padded_pool.py", ""),
+        )),
 }
 
 

@@ -53,6 +53,14 @@ _FLASHINFER = "fb28d7242b3506a2348265962041acc1fb56cca4"
 #: factory fixture) and the reference module the tests import relatively
 _FLASHINFER_IMPORTS = tuple((_FLASHINFER, p) for p in ("tests/__init__.py", "tests/gdn/conftest.py",
                                                         "tests/gdn/reference_delta_rule.py"))
+#: test_prefill_delta_rule.py has 3612 cases (3456 of them three large grids): every other
+#: test, and of the grids the cases with the second sequence-length set, alpha and beta on
+_FLASHINFER_PREFILL_SAMPLE = "not (kernel_basic or kernel_nonfull or chunked_prefill) or (seq_lens1 and True-True)"
+#: test_decode_delta_rule.py (531 cases, over 3000 s in full on this CPU): the state-pool
+#: families served through torch_gdr's public decode (FlashInfer's bf16-state CuTe kernels'
+#: own tests and its fused-recovery kernels are left to the full run)
+_FLASHINFER_DECODE_SAMPLE = ("decode_kernel_basic or decode_kernel_pretranspose_pool or packed_qkv or "
+                             "mtp_fp32_state_pool or output_state_indices or verify_kernel_mtp")
 _VLLM_CONV = "vLLM's causal-conv1d ops and its layer code (not the GDN kernels torch_gdr serves)"
 
 #: engine -> its test files. Commits: the versions read from the public repositories
@@ -72,10 +80,11 @@ ENGINES: dict[str, tuple[TestFile, ...]] = {
         TestFile(f"tests/gdn/{name}", _FLASHINFER, imports=_FLASHINFER_IMPORTS, select=select,
                  options=("--import-mode=importlib",))  # FlashInfer's pytest.ini
         for name, select in (
-            ("test_prefill_delta_rule.py", ""),
+            ("test_prefill_delta_rule.py", _FLASHINFER_PREFILL_SAMPLE),
             ("test_prefill_state_indices.py", ""),
             ("test_decode_pretranspose_noncontiguous_pool.py", ""),
             ("test_decode_pretranspose_bf16_padded_pool.py", ""),
+            ("test_decode_delta_rule.py", _FLASHINFER_DECODE_SAMPLE),
         )),
 }
 

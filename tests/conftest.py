@@ -16,6 +16,10 @@ from hypothesis.configuration import set_hypothesis_home_dir
 # that needs threads sets them itself, with the ``torch_threads`` fixture.
 torch.set_num_threads(1)
 
+# The engines' stand-in packages (tests/engine_standins) are imported by the engines' own
+# test files under bench/run_engine_tests.py, never collected here (one is named test_utils.py).
+collect_ignore = ["engine_standins"]
+
 
 @pytest.fixture
 def torch_threads():

@@ -16,8 +16,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 # that needs threads sets them itself, with the ``torch_threads`` fixture.
 torch.set_num_threads(1)
 
-# The engines' stand-in packages (tests/engine_standins) are imported by the engines' own
-# test files under bench/run_engine_tests.py, never collected here (one is named test_utils.py).
+# The engines' stand-in packages (bench/run_engine_tests.py puts them on the path of the
+# engines' own test files); their modules are not this suite's tests.
 collect_ignore = ["engine_standins"]
 
 

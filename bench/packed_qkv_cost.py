@@ -7,7 +7,7 @@ and SGLang pass them) against the same values contiguous, through
 ``torch_gdr.fused_recurrent_gated_delta_rule`` over a 512-slot float32 pool (H16/HV32,
 K = V = 128, one token per sequence, B = 8 and 64). The ``cpu`` kernels read contiguous rows,
 so the views are copied first; the difference of the medians (rounds alternated) is that
-copy. Prints one line per batch size.
+copy, timed alone as well. Prints one line per batch size.
 """
 
 from __future__ import annotations
@@ -59,9 +59,12 @@ def main() -> None:
             for _ in range(args.rounds):
                 packed.append(_time(lambda: step(q, k, v), args.repeats))
                 contiguous.append(_time(lambda: step(*dense), args.repeats))
-        p, c = statistics.median(packed), statistics.median(contiguous)
+            copies = [_time(lambda: [t.contiguous() for t in (q, k, v)], 10 * args.repeats)
+                      for _ in range(args.rounds)]
+        p, c, copy = statistics.median(packed), statistics.median(contiguous), statistics.median(copies)
         print(f"B={batch:>3} threads={args.threads}: packed views {p * 1e6:8.1f} us, contiguous {c * 1e6:8.1f} us, "
-              f"ratio {p / c:.3f} (median of {args.rounds} alternated rounds of {args.repeats})")
+              f"ratio {p / c:.3f} (median of {args.rounds} alternated rounds of {args.repeats}); the three copies "
+              f"alone {copy * 1e6:.1f} us ({copy / c:.2%} of the step)")
 
 
 if __name__ == "__main__":

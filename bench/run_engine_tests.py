@@ -1,7 +1,7 @@
 """Run the serving engines' own GDN state-pool tests against torch_gdr, on the CPU.
 
     python bench/run_engine_tests.py [--peers DIR] [--engine vllm sglang flashinfer]
-                                     [--backend cpu torch] [--timeout S] [-- pytest args...]
+                                     [--backend cpu torch] [--timeout S] [--only TEXT] [-- pytest args...]
 
 The engines' test files (vLLM, SGLang, FlashInfer; their code, not shipped here) are read
 from ``DIR/<engine>/<commit>/<path in the repository>`` (default DIR: ``/work/peers``), the
@@ -48,6 +48,19 @@ class TestFile:
     options: tuple[str, ...] = ()
 
 
+_FLASHINFER = "fb28d7242b3506a2348265962041acc1fb56cca4"
+#: beside each FlashInfer file: the package marker, the directory's conftest (its input
+#: factory fixture) and the reference module the tests import relatively
+_FLASHINFER_IMPORTS = tuple((_FLASHINFER, p) for p in ("tests/__init__.py", "tests/gdn/conftest.py",
+                                                        "tests/gdn/reference_delta_rule.py"))
+#: test_prefill_delta_rule.py has 3612 cases (3456 of them three large grids): every other
+#: test, and of the grids the cases with the second sequence-length set, alpha and beta on
+_FLASHINFER_PREFILL_SAMPLE = "not (kernel_basic or kernel_nonfull or chunked_prefill) or (seq_lens1 and True-True)"
+#: test_decode_delta_rule.py (531 cases, over 3000 s in full on this CPU): the state-pool
+#: families served through torch_gdr's public decode (FlashInfer's bf16-state CuTe kernels'
+#: own tests and its fused-recovery kernels are left to the full run)
+_FLASHINFER_DECODE_SAMPLE = ("decode_kernel_basic or decode_kernel_pretranspose_pool or packed_qkv or "
+                             "output_state_indices or mtp_fp32_state_pool_non_contiguous")
 _VLLM_CONV = "vLLM's causal-conv1d ops and its layer code (not the GDN kernels torch_gdr serves)"
 
 #: engine -> its test files. Commits: the versions read from the public repositories
@@ -63,7 +76,16 @@ ENGINES: dict[str, tuple[TestFile, ...]] = {
         TestFile("test/srt/cpu/test_mamba.py", "6bfad8f187aa80f7c9a2a06f7861409c4e3a4ad2",
                  imports=(("13ed97385bbfd6d15a801ffbfed1c8286f46877d", "test/srt/cpu/utils.py"),)),
     ),
-    "flashinfer": (),  # filled in below
+    "flashinfer": tuple(
+        TestFile(f"tests/gdn/{name}", _FLASHINFER, imports=_FLASHINFER_IMPORTS, select=select,
+                 options=("--import-mode=importlib",))  # FlashInfer's pytest.ini
+        for name, select in (
+            ("test_prefill_delta_rule.py", _FLASHINFER_PREFILL_SAMPLE),
+            ("test_prefill_state_indices.py", ""),
+            ("test_decode_pretranspose_noncontiguous_pool.py", ""),
+            ("test_decode_pretranspose_bf16_padded_pool.py", ""),
+            ("test_decode_delta_rule.py", _FLASHINFER_DECODE_SAMPLE),
+        )),
 }
 
 
@@ -127,11 +149,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--engine", nargs="+", choices=sorted(ENGINES), default=sorted(ENGINES))
     parser.add_argument("--backend", nargs="+", choices=("cpu", "torch"), default=["cpu", "torch"])
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per file and backend")
+    parser.add_argument("--only", default="", help="run only the files whose path contains this text")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     rows = []
     for engine in args.engine:
         for spec in ENGINES[engine]:
+            if args.only not in spec.path:
+                continue
             for expr, why in spec.left_out:
                 print(f"left out: {engine} {spec.path} -k 'not {expr}': {why}")
             if spec.select:

@@ -46,3 +46,15 @@ def _cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     with CudaOnCpu():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _a_cuda_device_that_is_the_cpu(monkeypatch):
+    """The CUDA queries the tests make, answered for the CPU that runs them: available, one
+    device of capability 9.0 (the stand-ins' architecture), no free device memory (tests that
+    need a multi-GB device allocation skip themselves)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (0, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: None)

@@ -1,0 +1,5 @@
+"""Stand-in for the ``flashinfer`` package's GDN entry points (tests only), served by
+torch_gdr on the CPU: ``gdn_prefill.chunk_gated_delta_rule``,
+``gdn_decode.gated_delta_rule_decode_pretranspose`` and the architecture probes the tests
+ask (answered as an SM90 device). FlashInfer's CuTe-DSL kernel modules are absent: the tests
+of their internals skip themselves."""

@@ -416,9 +416,9 @@ DECODE_ERRORS = {
                               r"initial_state: expected a pool of shape \[slots, HV, K, V\] = "
                               r"\[slots >= 1, 2, <K>, <V>\], got \[6, 2, <V>, <K>\]"),
     "pool_v_first_shape": (dict(state_v_first=True), ValueError, r"\[slots, HV, V, K\] \(state_v_first=True\)"),
-    "pool_inner_strides": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk).transpose(2, 3)), ValueError,
-                           r"initial_state: expected a pool whose rows are contiguous .*got strides "
-                           r"\[<HKV>, <KV>, 1, <K>\]"),
+    "pool_overlapping": (dict(pool=lambda dk, dv: torch.zeros(1, 2, dk, dv).expand(6, 2, dk, dv)), ValueError,
+                         r"initial_state: expected a pool whose elements do not overlap .*got shape "
+                         r"\[6, 2, <K>, <V>\] with strides \[0, <KV>, <V>, 1\]"),
     "pool_device": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, device="meta")), ValueError,
                     r"initial_state: expected the pool on cpu"),
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),

@@ -10,9 +10,9 @@ own folder (the pure-torch one: :func:`torch_gdr.ops.torch.pool.pool_recurrent_s
 CPU's fused kernel: :func:`torch_gdr.ops.cpu.pool.pool_recurrent_fwd`) and follows these rules.
 
 **The pool.** ``[slots, HV, K, V]`` key-first, or ``[slots, HV, V, K]`` value-first
-(``state_v_first=True``); float32, bfloat16 or float16; on the inputs' device. A row's three
-inner dims must be contiguous; the row stride ``pool.stride(0)`` may exceed the row's
-``HV * K * V`` elements (a padded pool, as engines carve pools out of larger buffers). States
+(``state_v_first=True``); float32, bfloat16 or float16; on the inputs' device. Any strides
+(any view of a larger allocation, as engines carve pools out of one cache buffer), updated
+in place; only overlapping elements (a stride 0) are refused. States
 are computed in float32 and rounded to the pool's dtype when stored; between the tokens of
 one call a sequence carries the unrounded float32 state (as vLLM's and fla's kernels do).
 
@@ -131,11 +131,21 @@ def _check_pool(pool: object, num_v_heads: int, head_k_dim: int, head_v_dim: int
                          f", got {_shape(pool)}")
     if pool.device != device:
         raise ValueError(f"initial_state: expected the pool on {device} (the device of q), got {pool.device}")
-    row = num_v_heads * head_k_dim * head_v_dim
-    contiguous_inner = (pool.stride(3) == 1 and pool.stride(2) == inner[2] and pool.stride(1) == inner[1] * inner[2])
-    if not contiguous_inner or pool.stride(0) < row:
-        raise ValueError(f"initial_state: expected a pool whose rows are contiguous (strides [>= {row}, "
-                         f"{inner[1] * inner[2]}, {inner[2]}, 1]), got strides {list(pool.stride())}")
+    if any(stride == 0 and size > 1 for size, stride in zip(pool.shape, pool.stride())):
+        raise ValueError(f"initial_state: expected a pool whose elements do not overlap (it is written in place; "
+                         f"no stride 0 over a dim longer than 1), got shape {_shape(pool)} with strides "
+                         f"{list(pool.stride())}")
+
+
+def rows_packed(pool: Tensor) -> bool:
+    """Whether every row of ``pool [slots, A, B, C]`` is contiguous (strides ``[>= A * B * C,
+    B * C, C, 1]``), as the fused kernels read rows; other strided pools (any view) go
+    through packed rows (:mod:`torch_gdr.dispatch.pool_serve`)."""
+    if pool.dim() != 4:  # not a pool: its checks say so
+        return True
+    a, b, c = pool.shape[1:]
+    return (pool.stride(3) == 1 or c == 1) and (pool.stride(2) == c or b == 1) and (pool.stride(1) == b * c or a == 1) \
+        and pool.stride(0) >= a * b * c
 
 
 def _host(t: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._layout import canonical_call
-from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, token_states_buffer
+from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, rows_packed, token_states_buffer
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.pool_serve import run_pool_serve
@@ -402,12 +402,15 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                   dt_bias=gating["dt_bias"])
     step = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
                 backend=backend, gating=Gating(**gating))
-    if serving and (any(serving[n] is not None for n in ("retrieve_parent_token", "intermediate_states_buffer",
-                                                          "intermediate_state_indices"))
-                    or serving["disable_state_update"] is not False):
+    # a tree, an intermediate buffer, or a pool whose rows are not packed: over packed rows
+    if (serving and (any(serving[n] is not None for n in ("retrieve_parent_token", "intermediate_states_buffer",
+                                                           "intermediate_state_indices"))
+                     or serving["disable_state_update"] is not False)) or not rows_packed(pool):
         if not inplace_final_state:
             raise ValueError("inplace_final_state: False returns the states as a new tensor; with "
                              "retrieve_parent_token, an intermediate buffer or disable_state_update pass True")
+        serving = serving or dict(retrieve_parent_token=None, intermediate_states_buffer=None,
+                                  intermediate_state_indices=None, disable_state_update=False)
         o = run_pool_serve(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                            initial_state_indices=initial_state_indices, validate=validate, **serving, **step)
         return o, pool

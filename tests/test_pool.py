@@ -411,7 +411,8 @@ def _pattern(pattern: str, dk: int, dv: int) -> str:
 
 DECODE_ERRORS = {
     "pool_dtype": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, dtype=torch.float64)), TypeError,
-                   r"initial_state: expected a pool of dtype float32, bfloat16 or float16, got torch.float64"),
+                   r"initial_state: expected a pool of dtype float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                   r"got torch.float64"),
     "pool_transposed_shape": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk)), ValueError,
                               r"initial_state: expected a pool of shape \[slots, HV, K, V\] = "
                               r"\[slots >= 1, 2, <K>, <V>\], got \[6, 2, <V>, <K>\]"),

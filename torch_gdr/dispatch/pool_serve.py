@@ -151,7 +151,8 @@ def _copy_rows_in(work: Tensor, pool: Tensor, pairs: list) -> None:
 def _copy_rows_out(pool: Tensor, work: Tensor, pairs: list) -> None:
     """``pool[row] = work[slot]`` for ``(row, slot)`` in ``pairs``, rounded to the pool's dtype
     as a store does (:func:`torch_gdr._pool.store_cast`: fp8 saturating)."""
-    limit = torch.finfo(pool.dtype).max if pool.dtype in _pool.FP8_DTYPES else None
+    # torch's cast to float8_e4m3fn saturates by itself (it has no inf); to e5m2 it overflows to inf
+    limit = torch.finfo(pool.dtype).max if pool.dtype == torch.float8_e5m2 else None
     for row, slot in pairs:
         _copy_row(pool[row], work[slot], limit)
 

@@ -411,14 +411,15 @@ def _pattern(pattern: str, dk: int, dv: int) -> str:
 
 DECODE_ERRORS = {
     "pool_dtype": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, dtype=torch.float64)), TypeError,
-                   r"initial_state: expected a pool of dtype float32, bfloat16 or float16, got torch.float64"),
+                   r"initial_state: expected a pool of dtype float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                   r"got torch.float64"),
     "pool_transposed_shape": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk)), ValueError,
                               r"initial_state: expected a pool of shape \[slots, HV, K, V\] = "
                               r"\[slots >= 1, 2, <K>, <V>\], got \[6, 2, <V>, <K>\]"),
     "pool_v_first_shape": (dict(state_v_first=True), ValueError, r"\[slots, HV, V, K\] \(state_v_first=True\)"),
-    "pool_inner_strides": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dv, dk).transpose(2, 3)), ValueError,
-                           r"initial_state: expected a pool whose rows are contiguous .*got strides "
-                           r"\[<HKV>, <KV>, 1, <K>\]"),
+    "pool_overlapping": (dict(pool=lambda dk, dv: torch.zeros(1, 2, dk, dv).expand(6, 2, dk, dv)), ValueError,
+                         r"initial_state: expected a pool whose elements do not overlap .*got shape "
+                         r"\[6, 2, <K>, <V>\] with strides \[0, <KV>, <V>, 1\]"),
     "pool_device": (dict(pool=lambda dk, dv: torch.zeros(6, 2, dk, dv, device="meta")), ValueError,
                     r"initial_state: expected the pool on cpu"),
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),

@@ -10,9 +10,11 @@ own folder (the pure-torch one: :func:`torch_gdr.ops.torch.pool.pool_recurrent_s
 CPU's fused kernel: :func:`torch_gdr.ops.cpu.pool.pool_recurrent_fwd`) and follows these rules.
 
 **The pool.** ``[slots, HV, K, V]`` key-first, or ``[slots, HV, V, K]`` value-first
-(``state_v_first=True``); float32, bfloat16 or float16; on the inputs' device. A row's three
-inner dims must be contiguous; the row stride ``pool.stride(0)`` may exceed the row's
-``HV * K * V`` elements (a padded pool, as engines carve pools out of larger buffers). States
+(``state_v_first=True``); float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (fp8:
+stored by a plain cast saturating at the largest finite value, NaN staying NaN, no scale;
+:func:`store_cast`); on the inputs' device. Any strides
+(any view of a larger allocation, as engines carve pools out of one cache buffer), updated
+in place; only overlapping elements (a stride 0) are refused. States
 are computed in float32 and rounded to the pool's dtype when stored; between the tokens of
 one call a sequence carries the unrounded float32 state (as vLLM's and fla's kernels do).
 
@@ -57,8 +59,22 @@ from torch_gdr._validate import INDEX_DTYPES, check_inputs, read_cu_seqlens
 
 Tensor = torch.Tensor
 
+#: fp8 pool dtypes: stored by a plain saturating cast (no scale), served over packed float32 rows.
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: The dtypes of an intermediate-states buffer (and of the pools the fused kernels read).
+BUFFER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 #: The dtypes a pool may hold (computed in float32, rounded on store).
-POOL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+POOL_DTYPES: tuple[torch.dtype, ...] = (*BUFFER_DTYPES, *FP8_DTYPES)
+
+
+def store_cast(states: Tensor, dtype: torch.dtype) -> Tensor:
+    """``states`` rounded to a pool's ``dtype`` as a store does: a plain cast (round to
+    nearest even); into an fp8 dtype saturating at its largest finite value (also for
+    +-inf), NaN staying NaN."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        return states.to(torch.float32).clamp(-limit, limit).to(dtype)
+    return states.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -121,7 +137,8 @@ def _check_pool(pool: object, num_v_heads: int, head_k_dim: int, head_v_dim: int
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"initial_state: expected the pool as a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype not in POOL_DTYPES:
-        raise TypeError(f"initial_state: expected a pool of dtype float32, bfloat16 or float16, got {pool.dtype}")
+        raise TypeError(f"initial_state: expected a pool of dtype float32, bfloat16, float16, float8_e4m3fn or "
+                        f"float8_e5m2, got {pool.dtype}")
     if state_v_first:
         inner, layout = [num_v_heads, head_v_dim, head_k_dim], "[slots, HV, V, K] (state_v_first=True)"
     else:
@@ -131,11 +148,24 @@ def _check_pool(pool: object, num_v_heads: int, head_k_dim: int, head_v_dim: int
                          f", got {_shape(pool)}")
     if pool.device != device:
         raise ValueError(f"initial_state: expected the pool on {device} (the device of q), got {pool.device}")
-    row = num_v_heads * head_k_dim * head_v_dim
-    contiguous_inner = (pool.stride(3) == 1 and pool.stride(2) == inner[2] and pool.stride(1) == inner[1] * inner[2])
-    if not contiguous_inner or pool.stride(0) < row:
-        raise ValueError(f"initial_state: expected a pool whose rows are contiguous (strides [>= {row}, "
-                         f"{inner[1] * inner[2]}, {inner[2]}, 1]), got strides {list(pool.stride())}")
+    if any(stride == 0 and size > 1 for size, stride in zip(pool.shape, pool.stride())):
+        raise ValueError(f"initial_state: expected a pool whose elements do not overlap (it is written in place; "
+                         f"no stride 0 over a dim longer than 1), got shape {_shape(pool)} with strides "
+                         f"{list(pool.stride())}")
+
+
+def rows_packed(pool: Tensor) -> bool:
+    """Whether every row of ``pool [slots, A, B, C]`` is contiguous (strides ``[>= A * B * C,
+    B * C, C, 1]``) and of a dtype the backends' steps take, as the fused kernels read rows;
+    other pools (any view, fp8) go through packed float32 rows
+    (:mod:`torch_gdr.dispatch.pool_serve`)."""
+    if pool.dim() != 4:  # not a pool: its checks say so
+        return True
+    if pool.dtype in FP8_DTYPES:
+        return False
+    a, b, c = pool.shape[1:]
+    return (pool.stride(3) == 1 or c == 1) and (pool.stride(2) == c or b == 1) and (pool.stride(1) == b * c or a == 1) \
+        and pool.stride(0) >= a * b * c
 
 
 def _host(t: Tensor) -> Tensor:
@@ -538,7 +568,7 @@ def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Op
         return ServePlan(parents, list(range(num_seqs)), max(longest, 1))
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"intermediate_states_buffer: expected a torch.Tensor, got {type(buffer).__name__}")
-    if buffer.dtype not in POOL_DTYPES:
+    if buffer.dtype not in BUFFER_DTYPES:
         raise TypeError(f"intermediate_states_buffer: expected dtype float32, bfloat16 or float16, got {buffer.dtype}")
     inner = list(pool.shape[1:])
     if buffer.dim() != 5 or list(buffer.shape[2:]) != inner or buffer.shape[1] < max(longest, 1) or buffer.shape[0] < 1:
@@ -598,9 +628,11 @@ def pool_scatter(pool: Tensor, final_state_indices: Tensor, states: Tensor, stat
     rows = final_state_indices.to(device=pool.device, dtype=torch.int64)
     if rows.numel() == 0:
         return
-    values = states.to(pool.dtype)
+    values = store_cast(states, pool.dtype)
     if state_v_first:
         values = values.transpose(-1, -2)
+    if pool.dtype in FP8_DTYPES:  # index_copy_ and where have no fp8 kernels: move the bytes
+        pool, values = pool.view(torch.uint8), values.view(torch.uint8)
     written = rows >= 0
     first = torch.argmax(written.to(torch.int32)).view(1)  # the first written entry; 0 when none
     any_written = written.any()

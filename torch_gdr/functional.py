@@ -10,7 +10,8 @@ import torch
 from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._inplace import check_inplace_state, resolve_inplace_flag
 from torch_gdr._layout import canonical_call, compute_dtype_for
-from torch_gdr._pool import check_no_grad, check_pool_args, pool_chunk_prefill, token_states_buffer
+from torch_gdr._pool import (FP8_DTYPES, check_no_grad, check_pool_args, pool_chunk_prefill, rows_packed,
+                             store_cast, token_states_buffer)
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.pool_serve import run_pool_serve
@@ -339,7 +340,8 @@ def fused_recurrent_gated_delta_rule(
     ``ssm_state_indices`` (``[N]``: one token per sequence, or ``[N, S]``: up to S tokens for
     speculative verification; int32/int64; -1: a zero state, never written),
     ``initial_state`` is the pool ``[slots, HV, K, V]`` (value-first with ``state_v_first``;
-    float32, bfloat16 or float16); sequence n starts from row ``ssm_state_indices[n, 0]``, or
+    float32, bfloat16, float16 or fp8: float8_e4m3fn, float8_e5m2, stored by a saturating cast;
+    any strides); sequence n starts from row ``ssm_state_indices[n, 0]``, or
     ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` when ``num_accepted_tokens`` (``[N]``,
     1..S) is given, and the state after its token j is written to row
     ``ssm_state_indices[n, j]``, in place; returns ``(o, pool)``. With
@@ -460,12 +462,15 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                   dt_bias=gating["dt_bias"])
     step = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
                 backend=backend, gating=Gating(**gating))
-    if serving and (any(serving[n] is not None for n in ("retrieve_parent_token", "intermediate_states_buffer",
-                                                          "intermediate_state_indices"))
-                    or serving["disable_state_update"] is not False):
+    # a tree, an intermediate buffer, or a pool whose rows are not packed: over packed rows
+    if (serving and (any(serving[n] is not None for n in ("retrieve_parent_token", "intermediate_states_buffer",
+                                                           "intermediate_state_indices"))
+                     or serving["disable_state_update"] is not False)) or not rows_packed(pool):
         if not inplace_final_state:
             raise ValueError("inplace_final_state: False returns the states as a new tensor; with "
                              "retrieve_parent_token, an intermediate buffer or disable_state_update pass True")
+        serving = serving or dict(retrieve_parent_token=None, intermediate_states_buffer=None,
+                                  intermediate_state_indices=None, disable_state_update=False)
         o = run_pool_serve(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                            initial_state_indices=initial_state_indices, validate=validate, **serving, **step)
         return o, pool
@@ -477,5 +482,9 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                            validate=validate, in_place=False, start_indices=initial_state_indices)
     states, rows = token_states_buffer(pool, plan)
+    if states.dtype in FP8_DTYPES:  # the steps run over float32 rows; the states are returned rounded
+        states_f32 = states.to(torch.float32)
+        o = run_pool_step(q, k, v, g, beta, scale, states_f32, rows, None, validate=False, **step)
+        return o, store_cast(states_f32[:-1], pool.dtype)
     o = run_pool_step(q, k, v, g, beta, scale, states, rows, None, validate=False, **step)
     return o, states[:-1]

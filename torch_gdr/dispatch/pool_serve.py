@@ -21,6 +21,7 @@ eager body at run time.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -75,10 +76,11 @@ def _serve_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: 
                                        intermediate_state_indices, disable_state_update)
     device, width = pool.device, serve.buffer_width
     buffer = intermediate_states_buffer
-    if buffer is None:  # scratch rows for the states after each token, float32
-        buffer = torch.empty((plan.num_seqs, width, *pool.shape[1:]), dtype=torch.float32, device=device)
-    work = buffer.view(-1, *pool.shape[1:])  # a pool of R * S_buf rows
+    if buffer is None:  # scratch rows for the states after each token, float32, this thread's
+        buffer = _workspace("rows", (plan.num_seqs, width, *pool.shape[1:]), device)
+    work = buffer.view(-1, *pool.shape[1:])  # a pool of R * S_buf rows in the pool's layout
     lens = plan.seq_lens
+    start_rows = plan.start_rows.tolist()
 
     def slot(n: int, j: int) -> int:
         return serve.buffer_rows[n] * width + j
@@ -86,36 +88,78 @@ def _serve_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: 
     def rows(values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    start_states = _pool.pool_gather(pool, plan.start_rows, state_v_first)  # [N, HV, K, V] float32
     step = dict(cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
                 validate=False, backend=backend, gating=gating)
     if serve.parents is None:  # a chain: one step of the backend over the buffer's rows
         first = [slot(n, 0) if lens[n] > 0 else -1 for n in range(plan.num_seqs)]
-        _pool.pool_scatter(work, rows(first), start_states, state_v_first)
+        _copy_rows_in(work, pool, [(first[n], start_rows[n]) for n in range(plan.num_seqs) if first[n] >= 0])
         table = [[slot(n, j) if j < lens[n] else -1 for j in range(max(max(lens, default=0), 1))]
                  for n in range(plan.num_seqs)]
         step["cu_seqlens"] = cu_seqlens
         o = run_pool_step(q, k, v, g, beta, scale, work, rows(table), None, initial_state_indices=rows(first), **step)
     else:
-        o = _tree_steps(q, k, v, g, beta, scale, work, plan, serve, start_states, slot, rows, step)
+        o = _tree_steps(q, k, v, g, beta, scale, work, pool, plan, serve, start_rows, slot, rows, step)
     if not disable_state_update:
-        targets, sources = [], []
         table = plan.indices.tolist()
-        for n in range(plan.num_seqs):
-            for j in range(lens[n]):
-                if table[n][j] >= 0:
-                    targets.append(table[n][j])
-                    sources.append(slot(n, j))
-        if targets:
-            states = work.index_select(0, rows(sources))
-            if state_v_first:
-                states = states.transpose(-1, -2)
-            _pool.pool_scatter(pool, rows(targets), states, state_v_first)
+        _copy_rows_out(pool, work, [(table[n][j], slot(n, j)) for n in range(plan.num_seqs) for j in range(lens[n])
+                                    if table[n][j] >= 0])
     return o
 
 
+_LOCAL = threading.local()
+
+
+def _workspace(name: str, shape: tuple, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A tensor of ``shape`` and ``dtype``, reused by this thread's later calls (a large fresh
+    allocation costs a page fault per page on first touch). Per thread: no locking, no
+    sharing between concurrent calls."""
+    spaces = _LOCAL.__dict__.setdefault("spaces", {})
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    held = spaces.get((name, device, dtype))
+    if held is None or held.numel() < numel:
+        held = torch.empty(numel, dtype=dtype, device=device)
+        spaces[name, device, dtype] = held
+    return held[:numel].view(shape)
+
+
+def _copy_row(dst: Tensor, src: Tensor, limit: Optional[float] = None) -> None:
+    """``dst[...] = src`` for one pool row ``[HV, ...]``, head by head: each piece below
+    torch's parallel grain, so the copies run in the calling thread (a parallel region per
+    row costs a thread wake-up, tens of milliseconds on a loaded machine). ``limit``: clamp
+    to ``[-limit, limit]`` first (an fp8 store), through a float32 workspace."""
+    scratch = None if limit is None else _workspace("head", tuple(src.shape[1:]), src.device)
+    for head in range(src.shape[0]):
+        if scratch is None:
+            dst[head].copy_(src[head])
+        else:
+            torch.clamp(src[head], -limit, limit, out=scratch)
+            dst[head].copy_(scratch)
+
+
+def _copy_rows_in(work: Tensor, pool: Tensor, pairs: list) -> None:
+    """``work[slot] = pool[row]`` (zeros for row -1) for ``(slot, row)`` in ``pairs`` (no
+    allocation; any strides and dtypes)."""
+    for slot, row in pairs:
+        if row < 0:
+            work[slot].zero_()
+        else:
+            _copy_row(work[slot], pool[row])
+
+
+def _copy_rows_out(pool: Tensor, work: Tensor, pairs: list) -> None:
+    """``pool[row] = work[slot]`` for ``(row, slot)`` in ``pairs``, rounded to the pool's dtype
+    as a store does (:func:`torch_gdr._pool.store_cast`: fp8 saturating)."""
+    # torch's cast to float8_e4m3fn saturates by itself (it has no inf); to e5m2 it overflows to inf
+    limit = torch.finfo(pool.dtype).max if pool.dtype == torch.float8_e5m2 else None
+    for row, slot in pairs:
+        _copy_row(pool[row], work[slot], limit)
+
+
 def _tree_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], work: Tensor,
-                plan: _pool.PoolPlan, serve: _pool.ServePlan, start_states: Tensor, slot, rows, step: dict) -> Tensor:
+                pool: Tensor, plan: _pool.PoolPlan, serve: _pool.ServePlan, start_rows: list, slot, rows,
+                step: dict) -> Tensor:
     """One backend step per depth of the trees: the tokens of depth d, each a one-token
     sequence from its parent's row (the start state copied into the token's own row for
     children of -1). Returns ``o`` in v's shape and dtype."""
@@ -132,9 +176,7 @@ def _tree_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     flat = [x.reshape(-1, *x.shape[(1 if plan.token_major else 2):]) for x in (q, k, v, g, beta)]
     o = torch.empty_like(flat[2])
     roots = [(n, j) for n, j in levels[0]] if levels else []
-    if roots:
-        _pool.pool_scatter(work, rows([slot(n, j) for n, j in roots]),
-                           start_states.index_select(0, rows([n for n, _ in roots])), step["state_v_first"])
+    _copy_rows_in(work, pool, [(slot(n, j), start_rows[n]) for n, j in roots])
     for level in levels:
         tokens = rows([plan.bos[n] + j for n, j in level])
         pieces = [x.index_select(0, tokens).unsqueeze(1) for x in flat]  # [M, 1, ...]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional, Sequence, Union
+from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from torch_gdr import functional as _functional
+from torch_gdr._pool import POOL_DTYPES
 from torch_gdr.nn.cache import CacheKey
 
 RequestId = Hashable
@@ -26,7 +27,8 @@ class PoolLayerState:
     """The pools of one layer and where each request's states are in them.
 
     Attributes:
-        recurrent_pool: ``[slots, HV, K_head, V_head]`` float32, key-first.
+        recurrent_pool: ``[slots, HV, K_head, V_head]`` key-first, the cache's ``dtype`` (or
+            the caller's tensor, any strides).
         conv_pool: ``[slots, conv_dim, K - 1]``, dtype of the activations: the last ``K - 1``
             conv inputs of each row, oldest first.
         rows: request -> the row holding its states in this layer's pools (absent before the
@@ -77,12 +79,38 @@ class GatedDeltaNetPoolCache:
 
     Args:
         slots: the most requests whose states the cache holds at once (rows of every pool).
+        dtype: the dtype of the recurrent pools the cache allocates (one of
+            :data:`torch_gdr._pool.POOL_DTYPES`); states are computed in float32 and rounded
+            to it when stored.
+        recurrent_pools: the caller's recurrent pools, by the layers' ``cache_key``
+            (``layer_idx``): a tensor ``[slots, HV, K, V]`` of any strides (a view of the
+            engine's own cache allocation) and any pool dtype, used in place of an allocated
+            one (checked at the layer's first call; its rows are treated as zeros until
+            written). Layers not named get an allocated pool.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, *, dtype: torch.dtype = torch.float32,
+                 recurrent_pools: Optional[Mapping[CacheKey, torch.Tensor]] = None) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots: expected a positive int (rows of every pool), got {slots!r}")
+        if dtype not in POOL_DTYPES:
+            raise TypeError(f"dtype: expected one of {', '.join(str(d) for d in POOL_DTYPES)} (the recurrent "
+                            f"pools' dtype), got {dtype!r}")
+        given = dict(recurrent_pools or {})
+        for key, pool in given.items():
+            if not isinstance(pool, torch.Tensor):
+                raise TypeError(f"recurrent_pools: expected a torch.Tensor for layer {key!r}, got "
+                                f"{type(pool).__name__}")
+            if pool.dtype not in POOL_DTYPES:
+                raise TypeError(f"recurrent_pools: expected the pool of layer {key!r} of dtype "
+                                f"{', '.join(str(d) for d in POOL_DTYPES)}, got {pool.dtype}")
+            if pool.dim() != 4 or pool.shape[0] != slots:
+                raise ValueError(f"recurrent_pools: expected the pool of layer {key!r} of shape [slots = {slots}, "
+                                 f"HV, K, V], got {list(pool.shape)}")
         self.slots = slots
+        self.dtype = dtype
+        #: the caller's recurrent pools by layer key (taken at each layer's first call).
+        self.given_pools: dict[CacheKey, torch.Tensor] = given
         self.layers: dict[CacheKey, PoolLayerState] = {}
         #: request -> the row its next write goes to (shared by forked requests until one writes).
         self.home_rows: dict[RequestId, int] = {}
@@ -203,8 +231,13 @@ class GatedDeltaNetPoolCache:
         conv_shape = (self.slots, layer.conv_dim, layer.conv_kernel_size - 1)
         state = self.layers.get(layer.cache_key)
         if state is None:
-            state = PoolLayerState(torch.zeros(shape, dtype=torch.float32, device=device),
-                                   torch.zeros(conv_shape, dtype=conv_dtype, device=device))
+            pool = self.given_pools.get(layer.cache_key)
+            if pool is None:
+                pool = torch.zeros(shape, dtype=self.dtype, device=device)
+            elif tuple(pool.shape) != shape or pool.device != device:
+                raise ValueError(f"recurrent_pools: the pool given for layer {layer.cache_key!r} "
+                                 f"({list(pool.shape)} on {pool.device}) does not fit it ({list(shape)} on {device})")
+            state = PoolLayerState(pool, torch.zeros(conv_shape, dtype=conv_dtype, device=device))
             self.layers[layer.cache_key] = state
         elif (tuple(state.recurrent_pool.shape) != shape or tuple(state.conv_pool.shape) != conv_shape
               or state.conv_pool.dtype != conv_dtype or state.recurrent_pool.device != device):

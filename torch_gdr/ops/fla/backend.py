@@ -68,6 +68,8 @@ BACKEND = Backend(
     backward_op=fla_bwd,
     keeps_chunk_states=True,
     step=fla_step,
+    # no step_inplace: fla-core's fused-recurrent forward has no in-place final state (vLLM's fork
+    # of it has); dispatch copies its new state into the caller's (torch_gdr.dispatch.run)
     may_fail=True,
     warns_when_unsupported=True,
     error=FlaBackendError,

@@ -45,7 +45,7 @@ test-slow: $(VENV)/.installed
 # when any benchmark's mean is more than BENCH_FAIL slower than the baseline. On a shared
 # machine, BENCH_ENV=OMP_WAIT_POLICY=PASSIVE keeps OpenMP threads from spinning.
 BENCH_ENV ?=
-BENCH_FLAGS ?= -p benchmark --benchmark-only --benchmark-storage=.benchmarks \
+BENCH_FLAGS ?= -n 0 -p benchmark --benchmark-only --benchmark-storage=.benchmarks \
 	--benchmark-columns=min,median,iqr,rounds --benchmark-sort=name
 BENCH_FAIL ?= mean:25%
 

@@ -30,8 +30,16 @@ def torch_threads():
 
 
 # `make test` (pytest.ini: -m "not slow") leaves the long cases out: say so when the run
-# starts, not only in the summary's last line.
+# starts, not only in the summary's last line. Under pytest-xdist (pytest.ini: -n) the
+# workers collect and their output is not shown: they hand the count to the controller,
+# which says it in the summary.
 _deselected_slow: list = []
+_said_left_out: list = []
+
+
+def _left_out_line(count: int) -> str:
+    return (f"left out: {count} slow test(s) (-m \"not slow\"); run them with `make test-slow` "
+            "or `python -m pytest -m slow`")
 
 
 def pytest_deselected(items):
@@ -40,10 +48,25 @@ def pytest_deselected(items):
 
 def pytest_collection_finish(session):
     # only when the mark expression left them out (not, say, a -k filter in a slow run)
-    if _deselected_slow and "not slow" in (session.config.getoption("markexpr") or ""):
-        session.config.get_terminal_writer().line(
-            f"left out: {len(_deselected_slow)} slow test(s) (-m \"not slow\"); run them with `make test-slow` "
-            "or `python -m pytest -m slow`")
+    if not _deselected_slow or "not slow" not in (session.config.getoption("markexpr") or ""):
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its output is not shown
+        workeroutput["slow_left_out"] = len(_deselected_slow)
+        return
+    session.config.get_terminal_writer().line(_left_out_line(len(_deselected_slow)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    count = getattr(node, "workeroutput", {}).get("slow_left_out")
+    if count and not _said_left_out:
+        _said_left_out.append(count)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _said_left_out:
+        terminalreporter.write_line(_left_out_line(_said_left_out[0]))
 
 
 # Hypothesis keeps caches (and by default an example database) in ./.hypothesis: send them

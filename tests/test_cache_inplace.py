@@ -70,8 +70,8 @@ def test_decode_updates_the_owned_state_in_place(backend: str, compiled: bool) -
     assert (state - want_state).abs().max().item() < _tol(layer)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+@pytest.mark.parametrize(("how", "compiled"), [("copy", False), ("copy", True), ("deepcopy", False),
+                                               ("pickle", False), ("pickle", True)])
 def test_a_copy_keeps_its_states_while_the_original_decodes(how: str, compiled: bool) -> None:
     layer = _layer("cpu")
     step = _maybe_compiled(layer, compiled)

@@ -205,7 +205,7 @@ def test_missing_state_and_bad_flag_are_refused(entry: str) -> None:
     x, state = _state()
     with pytest.raises(ValueError, match="initial_state: inplace_final_state=True writes"):
         _call(entry, x, None, "torch", inplace_final_state=True)
-    with pytest.raises(TypeError, match="inplace_final_state: expected None or a bool, got int"):
+    with pytest.raises(TypeError, match="inplace_final_state: expected a bool, got int"):
         _call(entry, x, state, "torch", inplace_final_state=1)
 
 

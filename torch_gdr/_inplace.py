@@ -39,8 +39,8 @@ def resolve_inplace_flag(inplace_final_state: Optional[bool], pooled: bool) -> b
     if inplace_final_state is None:
         return pooled
     if not isinstance(inplace_final_state, bool):
-        raise TypeError(f"inplace_final_state: expected None or a bool, got {type(inplace_final_state).__name__} "
-                        f"{inplace_final_state!r}")
+        raise TypeError(f"inplace_final_state: expected a bool, got {type(inplace_final_state).__name__} "
+                        f"{inplace_final_state!r} (or None: in place over a state pool only)")
     return inplace_final_state
 
 

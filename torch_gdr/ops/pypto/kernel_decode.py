@@ -356,38 +356,3 @@ def build_decode_kernel(
 
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel
 
-
-def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tokens_per_seq: int,
-                           pool_dtype: str = "float32") -> Any:
-    """A kernel that moves the pool-row bytes of a decode step and does nothing else, in
-    SIM run mode: the memory bound of :func:`build_decode_kernel` as pypto's cost model
-    sees it (``bench/pypto_cost_model.py --decode``).
-
-    Same loop and tiles as the decode kernel: each (sequence, value head) reads its
-    ``[K, V]`` row once and writes it to each of its S rows, in tiles of 64 rows (fp32) or
-    the whole row (a 2-byte pool, one copy, as the decode kernel reads it). Arguments:
-    ``read_rows [B]`` int32, ``write_rows [B * S]`` int32 (valid rows only), ``pool`` and
-    ``pool_out`` ``[slots * HV * K, V]`` (one storage, as for the decode kernel).
-    """
-    pypto = import_pypto()
-    pool_dt = _pypto_dtype(pool_dtype)
-    hv, dk, dv, s = num_v_heads, head_k_dim, head_v_dim, tokens_per_seq
-    state_rows = min(dk, 64) if pool_dtype == "float32" else dk
-    token_offsets = tuple(range(s))
-
-    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM, "stitch_function_max_num": STITCH_BODIES})
-    def pool_row_copy(
-        read_rows: pypto.Tensor([batch], pypto.DT_INT32),
-        write_rows: pypto.Tensor([batch * s], pypto.DT_INT32),
-        pool: pypto.Tensor([pypto.DYNAMIC, dv], pool_dt),
-        pool_out: pypto.Tensor([pypto.DYNAMIC, dv], pool_dt),
-    ):
-        for pair in pypto.loop(batch * hv, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // hv
-            head = pair % hv
-            pypto.set_vec_tile_shapes(state_rows, 128)
-            row = pypto.view(pool, [dk, dv], [(read_rows[seq] * hv + head) * dk, 0]) + 0.0
-            for j in token_offsets:
-                pypto.assemble(row, [(write_rows[seq * s + j] * hv + head) * dk, 0], pool_out)
-
-    return pool_row_copy

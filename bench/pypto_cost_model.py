@@ -348,15 +348,17 @@ def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
 
 
 def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
-    """The decode kernel for ``w`` (built for the batch's bucket, padded as the host pads)
-    and its one launch's arguments."""
-    from torch_gdr.ops.pypto.decode import batch_bucket
-    from torch_gdr.ops.pypto.kernel_decode import build_decode_kernel
+    """The decode kernel for ``w`` (its batch is dynamic; S must be a token bucket, as the
+    host pads it) and its one launch's arguments."""
+    from torch_gdr.ops.pypto.decode import token_bucket
+    from torch_gdr.ops.pypto.kernel_decode import build_decode_kernel, value_heads_per_body
 
-    bucket, n, s = batch_bucket(w.batch), w.batch, w.tokens
+    n, s = w.batch, w.tokens
+    if token_bucket(s) != s:
+        raise ValueError(f"tokens: the cost model times a token bucket (1, 2, 3, 4, 6, 8, 12, 16), got {s}")
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, w.dtype)
-    rows_total = bucket * s
+    rows_total = n * s
     q = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
     k = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
     v = torch.randn(rows_total, w.v_heads * w.head_v_dim, generator=gen).to(dtype)
@@ -367,17 +369,18 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
         g, beta = torch.randn(rows_total, w.v_heads, generator=gen), torch.randn(rows_total, w.v_heads, generator=gen)
         gate_params = [torch.stack([torch.rand(w.v_heads, generator=gen).log(), torch.randn(w.v_heads, generator=gen)])]
     slots, rows = _pool_rows(w)
-    pad = torch.full((bucket - n,), -1, dtype=torch.int64)
-    read_rows = torch.cat([rows[:, 0], pad]).int().view(-1, 1)
-    write_rows = torch.cat([rows.flatten(), pad.repeat_interleave(s)]).int()
+    read_rows = rows[:, 0].int().contiguous().view(-1, 1)
+    write_rows = rows.flatten().int().contiguous()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
-    kernel = build_decode_kernel(batch_bucket=bucket, num_qk_heads=w.heads, num_v_heads=w.v_heads,
+    heads_per_body = value_heads_per_body(n, w.heads, w.v_heads)
+    kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
                                  pool_dtype=w.pool_dtype, gate_in_kernel=w.gating, beta_sigmoid_in_kernel=w.gating,
                                  allow_neg_eigval=w.gating)
-    return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, pool, o, pool]]
+    bodies = torch.full((1,), n * w.v_heads // heads_per_body, dtype=torch.int32)
+    return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, bodies, pool, o, pool]]
 
 
 def pool_row_bytes(w: DecodeWorkload) -> int:

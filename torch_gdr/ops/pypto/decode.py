@@ -3,15 +3,17 @@ the semantics: :mod:`torch_gdr._pool`).
 
 One kernel launch per step for the whole batch. The kernel's batch is dynamic (no padding
 of sequences); S is padded to its bucket (:func:`token_bucket`), so a serving loop meets at
-most 16 kernels per configuration (8 token buckets, two task shapes by batch size). Sequences shorter than the
-speculative width S are padded with tokens whose write rows are -1 (their outputs are
-dropped). The row tables are built with device ops from the index tensors (no host read
+most 16 kernels per configuration (8 token buckets, two task shapes by batch size).
+Sequences shorter than the speculative width S are padded with tokens whose write rows are
+-1 (their outputs are dropped). The row tables are built with device ops from the index tensors (no host read
 of them here; :func:`torch_gdr._pool.check_pool_args` validates them as the semantics
 say).
 
 A key-first pool whose rows are packed (row stride = row size) is read and written in
-place by the kernel. A value-first pool or one with padded rows goes through a packed
-key-first copy, one row per (sequence, token) slot, written back afterwards.
+place by the kernel while S (its bucket) is at most 4. A value-first pool, one with padded
+rows, or a step of more than 4 tokens a sequence (whose kernel stores every token, see
+:func:`.kernel_decode.build_decode_kernel`) goes through a packed key-first copy, one row
+per (sequence, token) slot, written back afterwards.
 
 Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
 returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records

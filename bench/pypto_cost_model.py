@@ -351,7 +351,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     """The decode kernel for ``w`` (its batch is dynamic; S must be a token bucket, as the
     host pads it) and its one launch's arguments."""
     from torch_gdr.ops.pypto.decode import token_bucket
-    from torch_gdr.ops.pypto.kernel_decode import build_decode_kernel, value_heads_per_body
+    from torch_gdr.ops.pypto.kernel_decode import MAX_BRANCHED_TOKENS, build_decode_kernel, value_heads_per_body
 
     n, s = w.batch, w.tokens
     if token_bucket(s) != s:
@@ -378,7 +378,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
                                  pool_dtype=w.pool_dtype, gate_in_kernel=w.gating, beta_sigmoid_in_kernel=w.gating,
-                                 allow_neg_eigval=w.gating)
+                                 allow_neg_eigval=w.gating, store_every_token=s > MAX_BRANCHED_TOKENS)
     bodies = torch.full((1,), n * w.v_heads // heads_per_body, dtype=torch.int32)
     return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, bodies, pool, o, pool]]
 

@@ -17,6 +17,7 @@ variant            task shape
 ``task_row``       one task per (sequence, value head), the whole ``[K, V]`` row as one tile
 ``task_2heads``    one task per (sequence, pair of value heads), 64-row tiles (HV even)
 ``task_2heads_row``  one task per (sequence, pair of value heads), whole-row tiles (HV even)
+``task_4heads_row``  one task per (sequence, four value heads), whole-row tiles (HV % 4 == 0)
 =================  ===========================================================================
 
 Arguments of every variant: ``read_rows [B]`` int32 (the row each sequence reads),
@@ -32,7 +33,8 @@ from typing import Any
 from ._env import import_pypto
 
 #: The copy variants, in the order the benchmark runs them (module docstring).
-COPY_VARIANTS: tuple[str, ...] = ("partitioned", "task_64", "task_row", "task_2heads", "task_2heads_row")
+COPY_VARIANTS: tuple[str, ...] = ("partitioned", "task_64", "task_row", "task_2heads", "task_2heads_row",
+                                   "task_4heads_row")
 #: pypto's stitch_function_max_num for the copies (as the decode kernel's).
 _STITCH_BODIES = 128
 
@@ -44,10 +46,14 @@ def _pypto_dtype(name: str) -> Any:
 
 def copy_variant_applies(variant: str, num_v_heads: int) -> bool:
     """Whether ``variant`` can move the bytes of a pool with ``num_v_heads`` value heads
-    (the two-head variants need an even count)."""
+    (the variants of n heads per task need a multiple of n)."""
     if variant not in COPY_VARIANTS:
         raise ValueError(f"variant: expected one of {COPY_VARIANTS}, got {variant!r}")
-    return not variant.startswith("task_2heads") or num_v_heads % 2 == 0
+    return num_v_heads % _heads_per_task(variant) == 0
+
+
+def _heads_per_task(variant: str) -> int:
+    return 4 if variant.startswith("task_4heads") else 2 if variant.startswith("task_2heads") else 1
 
 
 def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tokens_per_seq: int,
@@ -61,7 +67,8 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
         variant: one of :data:`COPY_VARIANTS`.
     """
     if not copy_variant_applies(variant, num_v_heads):
-        raise ValueError(f"variant {variant!r}: needs an even num_v_heads, got {num_v_heads}")
+        raise ValueError(f"variant {variant!r}: needs num_v_heads a multiple of {_heads_per_task(variant)}, "
+                         f"got {num_v_heads}")
     if batch <= 0 or tokens_per_seq <= 0:
         raise ValueError(f"batch, tokens_per_seq: expected positive ints, got {batch}, {tokens_per_seq}")
     pypto = import_pypto()
@@ -69,7 +76,7 @@ def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, hea
     hv, dk, dv, s = num_v_heads, head_k_dim, head_v_dim, tokens_per_seq
     whole_row = variant.endswith("_row") or pool_dtype != "float32"
     tile_rows = dk if whole_row else min(dk, 64)
-    heads_per_body = 2 if variant.startswith("task_2heads") else 1
+    heads_per_body = _heads_per_task(variant)
     bodies_per_seq = hv // heads_per_body
     token_offsets = tuple(range(s))
     options: dict[str, Any] = {}

@@ -18,6 +18,7 @@ variant            task shape
 ``task_2heads``    one task per (sequence, pair of value heads), 64-row tiles (HV even)
 ``task_2heads_row``  one task per (sequence, pair of value heads), whole-row tiles (HV even)
 ``task_4heads_row``  one task per (sequence, four value heads), whole-row tiles (HV % 4 == 0)
+``task_8heads_row``  one task per (sequence, eight value heads), whole-row tiles (HV % 8 == 0)
 =================  ===========================================================================
 
 Arguments of every variant: ``read_rows [B]`` int32 (the row each sequence reads),
@@ -34,7 +35,7 @@ from ._env import import_pypto
 
 #: The copy variants, in the order the benchmark runs them (module docstring).
 COPY_VARIANTS: tuple[str, ...] = ("partitioned", "task_64", "task_row", "task_2heads", "task_2heads_row",
-                                   "task_4heads_row")
+                                   "task_4heads_row", "task_8heads_row")
 #: pypto's stitch_function_max_num for the copies (as the decode kernel's).
 _STITCH_BODIES = 128
 
@@ -53,7 +54,10 @@ def copy_variant_applies(variant: str, num_v_heads: int) -> bool:
 
 
 def _heads_per_task(variant: str) -> int:
-    return 4 if variant.startswith("task_4heads") else 2 if variant.startswith("task_2heads") else 1
+    for heads in (8, 4, 2):
+        if variant.startswith(f"task_{heads}heads"):
+            return heads
+    return 1
 
 
 def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tokens_per_seq: int,

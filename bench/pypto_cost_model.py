@@ -339,6 +339,7 @@ class DecodeWorkload:
     pool_dtype: str = "float32"
     l2norm: bool = True
     gating: bool = False  # fla's activations in the kernel: raw gate with A_log/dt_bias, beta logits
+    heads_per_body: int | None = None  # value heads per loop body (task); None: the host's choice
 
 
 def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
@@ -373,7 +374,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     write_rows = rows.flatten().int().contiguous()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
-    heads_per_body = value_heads_per_body(n, w.heads, w.v_heads)
+    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads)
     kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
@@ -538,6 +539,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --decode: comma-separated copy variants to run (default: all; "
                              "torch_gdr.ops.pypto.kernel_pool_copy.COPY_VARIANTS)")
     parser.add_argument("--copies-only", action="store_true", help="with --decode: time the copies alone")
+    parser.add_argument("--heads-per-body", type=int, default=None,
+                        help="with --decode: value heads per task, 1 or HV / H (default: the host's choice)")
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
     parser.add_argument("--gating", action="store_true",
@@ -554,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode:
         w = DecodeWorkload(batch=args.batch, tokens=args.tokens, heads=args.heads, v_heads=args.v_heads,
                            head_k_dim=args.head_dim, head_v_dim=args.head_v_dim or args.head_dim, dtype=args.dtype,
-                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm, gating=args.gating)
+                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm, gating=args.gating,
+                           heads_per_body=args.heads_per_body)
         variants = tuple(args.copy_variants.split(",")) if args.copy_variants else None
         with output_root(args.out) as root:
             r = run_decode_cost_model(w, root, variants, decode=not args.copies_only)

@@ -339,6 +339,7 @@ class DecodeWorkload:
     pool_dtype: str = "float32"
     l2norm: bool = True
     gating: bool = False  # fla's activations in the kernel: raw gate with A_log/dt_bias, beta logits
+    heads_per_body: int | None = None  # value heads per loop body (task); None: the host's choice
 
 
 def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
@@ -348,15 +349,17 @@ def _pool_rows(w: DecodeWorkload) -> tuple[int, torch.Tensor]:
 
 
 def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
-    """The decode kernel for ``w`` (built for the batch's bucket, padded as the host pads)
-    and its one launch's arguments."""
-    from torch_gdr.ops.pypto.decode import batch_bucket
-    from torch_gdr.ops.pypto.kernel_decode import build_decode_kernel
+    """The decode kernel for ``w`` (its batch is dynamic; S must be a token bucket, as the
+    host pads it) and its one launch's arguments."""
+    from torch_gdr.ops.pypto.decode import token_bucket
+    from torch_gdr.ops.pypto.kernel_decode import MAX_BRANCHED_TOKENS, build_decode_kernel, value_heads_per_body
 
-    bucket, n, s = batch_bucket(w.batch), w.batch, w.tokens
+    n, s = w.batch, w.tokens
+    if token_bucket(s) != s:
+        raise ValueError(f"tokens: the cost model times a token bucket (1, 2, 3, 4, 6, 8, 12, 16), got {s}")
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, w.dtype)
-    rows_total = bucket * s
+    rows_total = n * s
     q = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
     k = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
     v = torch.randn(rows_total, w.v_heads * w.head_v_dim, generator=gen).to(dtype)
@@ -367,56 +370,96 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
         g, beta = torch.randn(rows_total, w.v_heads, generator=gen), torch.randn(rows_total, w.v_heads, generator=gen)
         gate_params = [torch.stack([torch.rand(w.v_heads, generator=gen).log(), torch.randn(w.v_heads, generator=gen)])]
     slots, rows = _pool_rows(w)
-    pad = torch.full((bucket - n,), -1, dtype=torch.int64)
-    read_rows = torch.cat([rows[:, 0], pad]).int().view(-1, 1)
-    write_rows = torch.cat([rows.flatten(), pad.repeat_interleave(s)]).int()
+    read_rows = rows[:, 0].int().contiguous().view(-1, 1)
+    write_rows = rows.flatten().int().contiguous()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
-    kernel = build_decode_kernel(batch_bucket=bucket, num_qk_heads=w.heads, num_v_heads=w.v_heads,
+    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads)
+    kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,
                                  pool_dtype=w.pool_dtype, gate_in_kernel=w.gating, beta_sigmoid_in_kernel=w.gating,
-                                 allow_neg_eigval=w.gating)
-    return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, pool, o, pool]]
+                                 allow_neg_eigval=w.gating, store_every_token=s > MAX_BRANCHED_TOKENS)
+    bodies = torch.full((1,), n * w.v_heads // heads_per_body, dtype=torch.int32)
+    return kernel, [[q, k, v, g, beta, *gate_params, read_rows, write_rows, bodies, pool, o, pool]]
 
 
-def copy_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
+def pool_row_bytes(w: DecodeWorkload) -> int:
+    """Pool bytes one decode step moves: per (sequence, value head) one ``[K, V]`` row read
+    and S rows written, ``B * HV * (1 + S) * K * V * element size``."""
+    element = torch.empty(0, dtype=getattr(torch, w.pool_dtype)).element_size()
+    return w.batch * w.v_heads * (1 + w.tokens) * w.head_k_dim * w.head_v_dim * element
+
+
+def copy_launch(w: DecodeWorkload, variant: str = "partitioned") -> tuple[Any, list[list[torch.Tensor]]]:
     """A PyPTO kernel that moves the pool-row bytes the decode step must move and nothing
-    else: each (sequence, value head) reads its ``[K, V]`` row once and writes it to each
-    of its S rows, in the pool's dtype, the same loop and tiles as the decode kernel. Its
-    cycles are the memory bound as the cost model sees it."""
-    from torch_gdr.ops.pypto.kernel_decode import build_pool_copy_kernel
+    else (:mod:`torch_gdr.ops.pypto.kernel_pool_copy`, one of its ``COPY_VARIANTS``): each
+    (sequence, value head) reads its ``[K, V]`` row once and writes it to each of its S
+    rows, in the pool's dtype and layout, on the same rows as :func:`decode_launch`."""
+    from torch_gdr.ops.pypto.kernel_pool_copy import build_pool_copy_kernel
 
     n, s, hv, dk, dv = w.batch, w.tokens, w.v_heads, w.head_k_dim, w.head_v_dim
     pool_row_copy = build_pool_copy_kernel(batch=n, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                                           tokens_per_seq=s, pool_dtype=w.pool_dtype)
+                                           tokens_per_seq=s, pool_dtype=w.pool_dtype, variant=variant)
     slots, rows = _pool_rows(w)
     pool = torch.zeros(slots * hv * dk, dv, dtype=getattr(torch, w.pool_dtype))
     return pool_row_copy, [[rows[:, 0].int().contiguous(), rows.flatten().int().contiguous(), pool, pool]]
 
 
-def run_decode_cost_model(w: DecodeWorkload, out: Path) -> dict[str, Any]:
-    """The decode kernel's cycles and, in the same run, the copy kernel's
-    (:func:`copy_launch`): ``total_cycles`` and ``memory_bound_cycles`` in ``result.json``."""
+def run_decode_cost_model(w: DecodeWorkload, out: Path, variants: tuple[str, ...] | None = None,
+                          decode: bool = True) -> dict[str, Any]:
+    """The decode kernel's cycles and, in the same run, every copy variant's
+    (:func:`copy_launch`): ``total_cycles``, ``memory_bound_cycles`` (the fastest copy),
+    ``copy_variants`` (each variant's cycles and tasks) in ``result.json``. ``variants``:
+    the copies to run (default: every one that applies); ``decode=False`` times the copies
+    alone (``total_cycles`` None)."""
+    from torch_gdr.ops.pypto.kernel_pool_copy import COPY_VARIANTS, copy_variant_applies
+
     t0 = time.perf_counter()
-    kernel, launches = decode_launch(w)
-    decode = simulate_launches(kernel, launches, out / "decode")[0]
-    copy_kernel, copy_launches = copy_launch(w)
-    copy = simulate_launches(copy_kernel, copy_launches, out / "copy")[0]
+    figures = None
+    if decode:
+        kernel, launches = decode_launch(w)
+        figures = simulate_launches(kernel, launches, out / "decode")[0]
+    copies: dict[str, dict[str, Any]] = {}
+    for variant in variants or COPY_VARIANTS:
+        if not copy_variant_applies(variant, w.v_heads):
+            continue
+        copy_kernel, copy_launches = copy_launch(w, variant)
+        c = simulate_launches(copy_kernel, copy_launches, out / f"copy_{variant}")[0]
+        copies[variant] = dict(cycles=c["total_cycles"], tasks=c["tasks"], vector_busy_pct=c["vector_busy_pct"],
+                               report=c["report"])
+    fastest = min(copies, key=lambda name: copies[name]["cycles"])
+    floor = copies[fastest]["cycles"]
+    cycles = None if figures is None else figures["total_cycles"]
     result = dict(
-        workload=asdict(w), total_cycles=decode["total_cycles"], us=round(decode["total_cycles"] / CYCLES_PER_US, 1),
-        tasks=decode["tasks"], memory_bound_cycles=copy["total_cycles"], copy_tasks=copy["tasks"],
-        ratio_to_copy=round(decode["total_cycles"] / max(copy["total_cycles"], 1), 2),
-        pool_row_bytes=2 * w.batch * w.tokens * w.v_heads * w.head_k_dim * w.head_v_dim
-        * torch.empty(0, dtype=getattr(torch, w.pool_dtype)).element_size(),
-        cube_busy_pct=decode["cube_busy_pct"], vector_busy_pct=decode["vector_busy_pct"],
-        cube_pipe_pct=decode["cube_pipe_pct"], vector_pipe_pct=decode["vector_pipe_pct"],
-        report=decode["report"], copy_report=copy["report"],
+        workload=asdict(w), total_cycles=cycles, us=None if cycles is None else round(cycles / CYCLES_PER_US, 1),
+        tasks=None if figures is None else figures["tasks"], memory_bound_cycles=floor, memory_bound_variant=fastest,
+        copy_tasks=copies[fastest]["tasks"], copy_variants=copies,
+        ratio_to_copy=None if cycles is None else round(cycles / max(floor, 1), 2),
+        pool_row_bytes=pool_row_bytes(w),
+        **({} if figures is None else dict(
+            cube_busy_pct=figures["cube_busy_pct"], vector_busy_pct=figures["vector_busy_pct"],
+            cube_pipe_pct=figures["cube_pipe_pct"], vector_pipe_pct=figures["vector_pipe_pct"],
+            report=figures["report"])),
         compile_and_model_s=round(time.perf_counter() - t0, 1),
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def format_decode_result(r: dict[str, Any]) -> str:
+    """One line for a :func:`run_decode_cost_model` result: the decode kernel, the floor and every copy."""
+    w = r["workload"]
+    head = (f"decode B={w['batch']} S={w['tokens']} H={w['heads']} HV={w['v_heads']} K={w['head_k_dim']} "
+            f"V={w['head_v_dim']} {w['dtype']} inputs, {w['pool_dtype']} pool"
+            f"{', gating in kernel' if w['gating'] else ''}, {r['pool_row_bytes']:,} pool bytes: ")
+    if r["total_cycles"] is not None:
+        head += (f"{r['total_cycles']:,} cycles ({r['us']:,} us, {r['tasks']} tasks, vector cores busy "
+                 f"{r['vector_busy_pct']}%), ratio to the floor {r['ratio_to_copy']}; ")
+    copies = ", ".join(f"{name} {c['cycles']:,} ({c['tasks']} tasks)" for name, c in r["copy_variants"].items())
+    return (head + f"floor {r['memory_bound_cycles']:,} ({r['memory_bound_variant']}); copies: {copies} "
+            f"({r['compile_and_model_s']} s)")
 
 
 def format_result(label: str, r: dict[str, Any]) -> str:
@@ -491,7 +534,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="time the decode step over a state pool (with --batch, --tokens) beside a copy kernel "
                              "moving the same pool-row bytes")
     parser.add_argument("--batch", type=int, default=1, help="with --decode: sequences in the step")
-    parser.add_argument("--tokens", type=int, default=1, help="with --decode: tokens per sequence (1..8)")
+    parser.add_argument("--tokens", type=int, default=1, help="with --decode: tokens per sequence (1..16)")
+    parser.add_argument("--copy-variants", default=None,
+                        help="with --decode: comma-separated copy variants to run (default: all; "
+                             "torch_gdr.ops.pypto.kernel_pool_copy.COPY_VARIANTS)")
+    parser.add_argument("--copies-only", action="store_true", help="with --decode: time the copies alone")
+    parser.add_argument("--heads-per-body", type=int, default=None,
+                        help="with --decode: value heads per task, 1 or HV / H (default: the host's choice)")
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
     parser.add_argument("--gating", action="store_true",
@@ -508,14 +557,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode:
         w = DecodeWorkload(batch=args.batch, tokens=args.tokens, heads=args.heads, v_heads=args.v_heads,
                            head_k_dim=args.head_dim, head_v_dim=args.head_v_dim or args.head_dim, dtype=args.dtype,
-                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm, gating=args.gating)
+                           pool_dtype=args.pool_dtype, l2norm=not args.no_l2norm, gating=args.gating,
+                           heads_per_body=args.heads_per_body)
+        variants = tuple(args.copy_variants.split(",")) if args.copy_variants else None
         with output_root(args.out) as root:
-            r = run_decode_cost_model(w, root)
-        print(f"decode B={w.batch} S={w.tokens} H={w.heads} HV={w.v_heads} K={w.head_k_dim} V={w.head_v_dim} "
-              f"{w.dtype} inputs, {w.pool_dtype} pool{', gating in kernel' if w.gating else ''}: {r['total_cycles']:,} cycles ({r['us']:,} us, {r['tasks']} "
-              f"tasks); copy of the pool rows: {r['memory_bound_cycles']:,} cycles ({r['copy_tasks']} tasks), "
-              f"ratio {r['ratio_to_copy']}; cores busy: vector {r['vector_busy_pct']}%, pipes: vector "
-              f"{r['vector_pipe_pct']}% ({r['compile_and_model_s']} s)")
+            r = run_decode_cost_model(w, root, variants, decode=not args.copies_only)
+        print(format_decode_result(r))
         return
     launch: Launch = forward_launch
     if args.backward:

@@ -237,9 +237,9 @@ def run_decode_case(backend: str, lens: list[int], width: Optional[int], accepte
     assert torch.equal(buffer[untouched], before[untouched])
 
 
-#: PyPTO's decode kernel takes at most 8 tokens per sequence
-#: (``test_pypto_decode_refuses_more_than_8_tokens_per_sequence``).
-PYPTO_REFUSES = ("long_spec",)
+#: PyPTO's decode kernel takes at most 16 tokens per sequence
+#: (``test_pypto_decode_refuses_more_than_16_tokens_per_sequence``); ``long_spec`` (S = 12) runs on it.
+PYPTO_REFUSES: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize("impl, case", backend_params(sorted(DECODE_CASES), skip_on_pypto=PYPTO_REFUSES))
@@ -469,16 +469,17 @@ def test_decode_errors(impl: str, name: str) -> None:
 
 
 @needs_pypto
-def test_pypto_decode_refuses_more_than_8_tokens_per_sequence() -> None:
-    """The PyPTO decode kernel takes S <= 8 tokens per sequence (``long_spec`` of the decode
-    cases runs on the other backends): named, the registry's reason, before any work."""
-    with pytest.raises(PyptoBackendError, match=r"at most 8 tokens per sequence in a step \(ssm_state_indices "
-                                                r"\[N, S\]\), got S = 9"):
-        _decode("pypto", lens=(9, 1), idx=torch.arange(18).view(2, 9), pool=lambda dk, dv: make_pool(18, 2, dk, dv)[0])
+def test_pypto_decode_refuses_more_than_16_tokens_per_sequence() -> None:
+    """The PyPTO decode kernel takes S <= 16 tokens per sequence: S = 17 is named, the
+    registry's reason, before any work."""
+    with pytest.raises(PyptoBackendError, match=r"at most 16 tokens per sequence in a step \(ssm_state_indices "
+                                                r"\[N, S\]\), got S = 17"):
+        _decode("pypto", lens=(17, 1), idx=torch.arange(34).view(2, 17),
+                pool=lambda dk, dv: make_pool(34, 2, dk, dv)[0])
 
 
 @needs_pypto
-@pytest.mark.parametrize("width, expected", [(8, "pypto"), (9, "torch")])
+@pytest.mark.parametrize("width, expected", [(16, "pypto"), (17, "torch")])
 def test_wide_pool_step_on_an_npu_falls_back_by_default(width: int, expected: str) -> None:
     """On an accelerator the default serves a step wider than the decode kernel on torch,
     with the fallback warning naming the reason (the device is faked in the call's spec: no
@@ -492,7 +493,7 @@ def test_wide_pool_step_on_an_npu_falls_back_by_default(width: int, expected: st
     assert chosen == expected
     messages = [str(w.message) for w in caught if issubclass(w.category, PyptoFallbackWarning)]
     assert bool(messages) == (expected == "torch")
-    assert all("at most 8 tokens per sequence" in m for m in messages)
+    assert all("at most 16 tokens per sequence" in m for m in messages)
 
 
 def test_minus1_and_unused_entries_are_not_conflicts() -> None:

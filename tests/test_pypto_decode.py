@@ -226,6 +226,72 @@ def test_speculative_step_with_acceptance_and_minus1_slots() -> None:
     run_case([3, 2], 3, [2, 3], rows=[[4, 6, -1], [1, -1, 9]])
 
 
+def test_sixteen_tokens_per_sequence_on_device_acceptance_no_host_reads_compiled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """S = 16 (vllm-ascend's widest verification) in the kernel: two sequences of 16 and 13
+    tokens (cu_seqlens), each starting from the row of its last accepted token
+    (num_accepted_tokens a tensor, as on the device, validate=False), -1 slots never
+    written; the step reads nothing on the host and traces under
+    torch.compile(fullgraph=True) into one graph around the op."""
+    rows = [[r if r % 5 else -1 for r in range(1, 17)], [17 + r if r % 4 else -1 for r in range(16)]]
+    run_case([16, 13], 16, [16, 3], rows=rows, slots=34, validate=False, guard=monkeypatch, compiled=True, seed=21)
+
+
+def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
+    """S = 5 runs on the S = 6 kernel (its sixth token padded: nothing written, no output),
+    B sequences of S tokens each ([N, S] indices, no cu_seqlens), acceptance counts."""
+    from torch_gdr.ops.pypto.decode import token_bucket
+
+    assert token_bucket(5) == 6
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([5, 5], 5, [4, 1], rows=[[1, 2, -1, 4, 5], [6, -1, 8, 9, 10]], seed=22)
+        assert torch_gdr.ops.pypto.cache_info().decode.token_buckets == (6,)
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
+def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving loop over every S in 1..16 and batches from 1 to 256 (a spread of sizes)
+    builds at most 16 decode kernels for one configuration, each for an S at least the
+    step's: the keys of cache_info() counted. The kernels are stubs (nothing is built or
+    run: the cache's builder and the launch replaced) so the loop takes a second."""
+    from torch_gdr.ops.pypto import decode
+
+    built: list[dict] = []
+    served: list[int] = []  # the S of the kernel each call got
+
+    def stub_builder(**config):
+        built.append(config)
+        return object()
+
+    def recording_getter(**config):
+        served.append(config["tokens_per_seq"])
+        return kernel_cache.get_decode_kernel(**config)
+
+    monkeypatch.setattr(kernel_cache, "_default_decode_builder", stub_builder)
+    monkeypatch.setattr(decode, "get_decode_kernel", recording_getter)
+    monkeypatch.setattr(decode.interpreter, "launch", lambda kernel, args, outputs: None)
+    kernel_cache.decode_cache_clear()
+    try:
+        h, hv, d = 1, 2, 64
+        pool = torch.zeros(2, hv, d, d)
+        for batch in (1, 3, 24, 25, 100, 256):  # both task shapes (B * HV <= 48 and above)
+            for width in range(1, 17):
+                q = torch.randn(batch, width, h, d)
+                k, v = torch.randn(batch, width, h, d), torch.randn(batch, width, hv, d)
+                g, beta = -torch.rand(batch, width, hv), torch.rand(batch, width, hv)
+                idx = torch.full((batch, width), -1, dtype=torch.int32)  # rows play no part in the key
+                with torch.no_grad():
+                    torch_gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=pool,
+                                                               ssm_state_indices=idx, backend="pypto")
+                assert width <= served[-1] <= width + width // 3
+        info = torch_gdr.ops.pypto.cache_info().decode
+        assert len(info.keys) == info.misses == len(built) <= 16
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
 def test_gate_and_beta_sigmoid_in_kernel() -> None:
     """fla's activations inside the kernel: the raw gate with A_log and dt_bias (raw gates
     above softplus's threshold and past float32's exp range), beta logits with
@@ -289,17 +355,14 @@ def test_bf16_inputs_and_bf16_pool() -> None:
 
 
 def test_bucketed_cache_reuses_one_kernel_for_two_batch_sizes() -> None:
-    """Batch sizes 5 and 6 share the bucket 6: one kernel is built and then reused; the
-    cache reports that bucket. (Checked on a cleared decode cache.)"""
-    from torch_gdr.ops.pypto.decode import batch_bucket
-
-    assert batch_bucket(5) == batch_bucket(6) == 6
+    """Batch sizes 5 and 6 share one kernel (the kernel's batch is dynamic): one kernel is
+    built and then reused; the cache reports its token bucket. (On a cleared decode cache.)"""
     kernel_cache.decode_cache_clear()
     try:
         run_case([1] * 5, None, None, heads=(1, 1), slots=12, seed=1)
         run_case([1] * 6, None, None, heads=(1, 1), slots=12, seed=2)
         info = torch_gdr.ops.pypto.cache_info().decode
-        assert (info.misses, info.hits, info.buckets) == (1, 1, (6,))
+        assert (info.misses, info.hits, info.token_buckets) == (1, 1, (1,))
     finally:
         kernel_cache.decode_cache_clear()
 
@@ -386,21 +449,21 @@ def test_varlen_step_traces_under_torch_compile_fullgraph() -> None:
     run_case([2, 0, 1], 2, [2, 1, 1], rows=[[4, 6], [7, 8], [-1, 5]], validate=False, compiled=True, seed=10)
 
 
-@pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16),
-                                              (17, 24), (100, 128), (129, 192), (256, 256)])
-def test_batch_buckets_pad_at_most_a_third(num_seqs: int, bucket: int) -> None:
-    from torch_gdr.ops.pypto.decode import batch_bucket
+@pytest.mark.parametrize("width, bucket", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (6, 6), (7, 8), (8, 8),
+                                           (9, 12), (12, 12), (13, 16), (16, 16)])
+def test_token_buckets_pad_at_most_a_third(width: int, bucket: int) -> None:
+    from torch_gdr.ops.pypto.decode import token_bucket
 
-    assert batch_bucket(num_seqs) == bucket
-    assert bucket - num_seqs <= bucket // 3
+    assert token_bucket(width) == bucket
+    assert bucket - width <= bucket // 3
 
 
-@pytest.mark.parametrize("num_seqs", [0, -3])
-def test_batch_bucket_rejects_an_empty_batch(num_seqs: int) -> None:
-    from torch_gdr.ops.pypto.decode import batch_bucket
+@pytest.mark.parametrize("width", [0, -3, 17])
+def test_token_bucket_rejects_widths_outside_1_to_16(width: int) -> None:
+    from torch_gdr.ops.pypto.decode import token_bucket
 
-    with pytest.raises(ValueError, match=rf"num_seqs: expected a positive int, got {num_seqs}"):
-        batch_bucket(num_seqs)
+    with pytest.raises(ValueError, match=rf"width: expected tokens per sequence in 1..16, got {width}"):
+        token_bucket(width)
 
 
 @pytest.mark.slow

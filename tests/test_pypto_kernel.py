@@ -454,6 +454,26 @@ def _cost_model_script():
     return _bench_script("pypto_cost_model")
 
 
+@pytest.mark.parametrize("batch, tokens, pool_dtype", [(1, 1, "float32"), (3, 4, "bfloat16"), (2, 16, "float16")])
+def test_decode_pool_row_bytes_count_one_read_and_s_written_rows(batch: int, tokens: int, pool_dtype: str) -> None:
+    """result.json's pool_row_bytes of ``--decode``: the bytes of the rows a step reads (one
+    per sequence and value head) and writes (S), counted from the pool rows of the launch."""
+    script = _cost_model_script()
+    w = script.DecodeWorkload(batch=batch, tokens=tokens, heads=2, v_heads=4, head_k_dim=64, head_v_dim=32,
+                              pool_dtype=pool_dtype)
+    slots, rows = script._pool_rows(w)
+    pool = torch.zeros(slots, w.v_heads, w.head_k_dim, w.head_v_dim, dtype=getattr(torch, pool_dtype))
+    read, written = pool[rows[:, 0]], pool[rows.flatten()]
+    assert script.pool_row_bytes(w) == (read.numel() + written.numel()) * pool.element_size()
+
+
+def test_decode_pool_row_bytes_of_the_issue_example() -> None:
+    """H16/HV32, K = V = 128, fp32, B = 64, S = 4: the kernels move 671 MB (issue 37), not 1,074."""
+    script = _cost_model_script()
+    w = script.DecodeWorkload(batch=64, tokens=4)
+    assert round(script.pool_row_bytes(w) / 1e6) == 671
+
+
 def test_cost_model_report_parsing() -> None:
     """The figures bench/pypto_cost_model.py reads from pypto's stat report (its 0.2.0 layout)."""
     report = textwrap.dedent(

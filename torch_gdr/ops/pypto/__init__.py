@@ -16,7 +16,7 @@ from .kernel import kernel_chunk_size
 
 class KernelCaches(NamedTuple):
     """The compiled-kernel caches: forward kernels (hits, misses, keys), backward kernels
-    (hits, misses, keys, launches) and decode-step kernels (hits, misses, keys, buckets)."""
+    (hits, misses, keys, launches) and decode-step kernels (hits, misses, keys, token_buckets)."""
 
     forward: _caches.CacheInfo
     backward: _caches.BwdCacheInfo

@@ -1,17 +1,19 @@
 """Host side of the PyPTO decode step over a state pool (the kernel: :mod:`.kernel_decode`;
 the semantics: :mod:`torch_gdr._pool`).
 
-One kernel launch per step for the whole batch. The batch is padded up to its bucket
-(:func:`batch_bucket`) with sequences whose rows are all -1, so a serving loop whose
-batch size wanders builds a few kernels, one per bucket. Sequences shorter than the
-speculative width S are padded with tokens whose write rows are -1 (their outputs are
-dropped). The row tables are built with device ops from the index tensors (no host read
+One kernel launch per step for the whole batch. The kernel's batch is dynamic (no padding
+of sequences); S is padded to its bucket (:func:`token_bucket`), so a serving loop meets at
+most 16 kernels per configuration (8 token buckets, two task shapes by batch size).
+Sequences shorter than the speculative width S are padded with tokens whose write rows are
+-1 (their outputs are dropped). The row tables are built with device ops from the index tensors (no host read
 of them here; :func:`torch_gdr._pool.check_pool_args` validates them as the semantics
 say).
 
 A key-first pool whose rows are packed (row stride = row size) is read and written in
-place by the kernel. A value-first pool or one with padded rows goes through a packed
-key-first copy, one row per (sequence, token) slot, written back afterwards.
+place by the kernel while S (its bucket) is at most 4. A value-first pool, one with padded
+rows, or a step of more than 4 tokens a sequence (whose kernel stores every token, see
+:func:`.kernel_decode.build_decode_kernel`) goes through a packed key-first copy, one row
+per (sequence, token) slot, written back afterwards.
 
 Graph capture: the step is the op ``gdr::_pypto_pool_step`` (it mutates the pool and
 returns ``o``; its fake gives ``o`` in v's shape and dtype), so ``torch.compile`` records
@@ -49,20 +51,23 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 # Positions of the outputs among the kernel's tensor arguments (the gated kernel has one
 # more input before them: gate_params).
-_O_ARG, _POOL_OUT_ARG = 8, 9
+_O_ARG, _POOL_OUT_ARG = 9, 10
 
 
-def batch_bucket(num_seqs: int) -> int:
-    """The batch size the kernel for ``num_seqs`` sequences is built for: the powers of
-    two and the midpoints between them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), so padding
-    wastes at most a third of a launch and a serving loop meets two buckets per doubling
-    of its batch."""
-    if num_seqs < 1:
-        raise ValueError(f"num_seqs: expected a positive int, got {num_seqs}")
+def token_bucket(width: int) -> int:
+    """The tokens per sequence (S) the kernel for a step of ``width`` tokens a sequence is
+    built for: the powers of two and the midpoints between them up to 16 (1, 2, 3, 4, 6, 8,
+    12, 16), so padding wastes at most a third of a launch and a configuration meets at
+    most eight token buckets (times two task shapes: at most 16 kernels). The host pads a
+    sequence to its bucket with tokens whose write rows are -1."""
+    from .kernel_decode import MAX_TOKENS_PER_SEQ
+
+    if not 1 <= width <= MAX_TOKENS_PER_SEQ:
+        raise ValueError(f"width: expected tokens per sequence in 1..{MAX_TOKENS_PER_SEQ}, got {width}")
     bucket = 1
     while True:
         for candidate in (bucket, bucket + bucket // 2):
-            if candidate >= num_seqs:
+            if candidate >= width:
                 return candidate
         bucket *= 2
 
@@ -180,7 +185,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         scale: factor on q after the l2norm; ``K ** -0.5`` when None.
         pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``),
             float32, bfloat16 or float16; updated in place.
-        ssm_state_indices: ``[N]`` or ``[N, S]`` (S <= 8) int32/int64 rows; -1: zeros,
+        ssm_state_indices: ``[N]`` or ``[N, S]`` (S <= 16) int32/int64 rows; -1: zeros,
             never written. num_accepted_tokens: ``[N]`` in ``1..S``, or None.
         initial_state_indices: ``[N]`` rows the sequences start from instead (-1: zeros), or None.
         cu_seqlens: ``[N + 1]`` offsets (B = 1), or None (B sequences of T tokens).
@@ -195,7 +200,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     Returns:
         ``o`` in the shape and dtype of v.
     """
-    from .kernel_decode import MAX_TOKENS_PER_SEQ
+    from .kernel_decode import MAX_BRANCHED_TOKENS, MAX_TOKENS_PER_SEQ, value_heads_per_body
 
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
@@ -224,19 +229,15 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     in_dtype = v.dtype if q.dtype == v.dtype else torch.float32
     flat = [x if plan.token_major else x.reshape(-1, *x.shape[2:]) for x in (q, k, v, g, beta)]
     seq_len = num_tokens if plan.token_major else q.shape[1]
-    full_width = cu_seqlens is None and seq_len == width
+    kernel_width = token_bucket(width)  # S padded to its bucket: few kernels per configuration
+    full_width = cu_seqlens is None and seq_len == width == kernel_width
     slots = in_sequence = None
     if not full_width:
-        slots, in_sequence = _token_slots(cu_seqlens, num_seqs, seq_len, width, device)
+        slots, in_sequence = _token_slots(cu_seqlens, num_seqs, seq_len, kernel_width, device)
         flat = [x.index_select(0, slots) for x in flat]
-    bucket = batch_bucket(num_seqs)
-    pad_tokens = (bucket - num_seqs) * width
 
     def packed(x: Tensor, dtype: torch.dtype) -> Tensor:
-        x = x.reshape(num_seqs * width, -1).to(dtype)
-        if pad_tokens:
-            x = torch.cat([x, x.new_zeros(pad_tokens, x.shape[1])])
-        return x.contiguous()
+        return x.reshape(num_seqs * kernel_width, -1).to(dtype).contiguous()
 
     q_in, k_in, v_in = (packed(x, in_dtype) for x in flat[:3])
     g_in, beta_in = (packed(x, torch.float32) for x in flat[3:])
@@ -244,29 +245,34 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
     read_rows = plan.start_rows
     write_rows = indices
+    if kernel_width > width:
+        write_rows = torch.cat([indices, indices.new_full((num_seqs, kernel_width - width), -1)], 1)
     if in_sequence is not None:
-        write_rows = torch.where(in_sequence.to(indices.device), indices, torch.full_like(indices, -1))
+        write_rows = torch.where(in_sequence.to(indices.device), write_rows, torch.full_like(write_rows, -1))
 
     # The pool the kernel sees: the caller's (packed key-first rows), or a packed key-first
     # copy with one row per (sequence, token) slot, sequence n's start state in its token 0
     # slot (the kernel reads it there, then overwrites it: a sequence may overwrite the row
     # it reads). Shapes follow N and S alone: nothing is read back to the host.
     row_size = num_v_heads * head_k_dim * head_v_dim
-    in_place = not state_v_first and pool.stride(0) == row_size
+    # A kernel of more than MAX_BRANCHED_TOKENS tokens stores every token (no branch per
+    # token): through the staging copy, whose slots are all valid rows.
+    store_every_token = kernel_width > MAX_BRANCHED_TOKENS
+    in_place = not state_v_first and pool.stride(0) == row_size and not store_every_token
     copy_rows = None  # the copy path: the pool row of every slot (-1: not written back)
     if in_place:
         work_pool = pool
     else:
-        slot_of = torch.arange(num_seqs * width, device=indices.device).view(num_seqs, width)
-        work_pool = pool.new_empty(num_seqs * width, num_v_heads, head_k_dim, head_v_dim)
+        slot_of = torch.arange(num_seqs * kernel_width, device=indices.device).view(num_seqs, kernel_width)
+        work_pool = pool.new_empty(num_seqs * kernel_width, num_v_heads, head_k_dim, head_v_dim)
         work_pool.index_copy_(0, slot_of[:, 0], _pool.pool_gather(pool, read_rows, state_v_first).to(pool.dtype))
         copy_rows = write_rows.flatten()
         read_rows = torch.where(read_rows >= 0, slot_of[:, 0], read_rows)
-        write_rows = torch.where(write_rows >= 0, slot_of, write_rows)
-    pad_rows = torch.full((bucket - num_seqs,), -1, dtype=torch.int64, device=indices.device)
-    read_in = torch.cat([read_rows, pad_rows]).to(device=device, dtype=torch.int32).view(-1, 1)
-    write_in = torch.cat([write_rows.flatten(), pad_rows.repeat_interleave(width)]).to(device=device,
-                                                                                      dtype=torch.int32)
+        write_rows = slot_of if store_every_token else torch.where(write_rows >= 0, slot_of, write_rows)
+    read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
+    write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
+    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads)
+    bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
     gating = gating or Gating()
     gate_params = []  # [2, HV] fp32: A_log, dt_bias (zeros without one)
@@ -277,21 +283,20 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
                                                                                           dtype=torch.float32)
         gate_params = [torch.stack([a_log, bias]).contiguous()]
     getter = kernel_getter if kernel_getter is not None else get_decode_kernel
-    kernel = getter(batch_bucket=bucket, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
-                    head_v_dim=head_v_dim, tokens_per_seq=width, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+    kernel = getter(heads_per_body=heads_per_body, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
+                    head_v_dim=head_v_dim, tokens_per_seq=kernel_width, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
                     scale=scale, input_dtype=_DTYPE_NAMES[in_dtype], pool_dtype=_DTYPE_NAMES[pool.dtype],
                     on_device=device.type == "npu", gate_in_kernel=gating.use_gate_in_kernel,
                     beta_sigmoid_in_kernel=gating.use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval=gating.allow_neg_eigval)
-    o = torch.empty(bucket * width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)  # all written
+                    allow_neg_eigval=gating.allow_neg_eigval, store_every_token=store_every_token)
+    o = torch.empty(num_seqs * kernel_width, num_v_heads * head_v_dim, dtype=torch.float32, device=device)  # all written
     pool_rows = work_pool.view(-1, head_v_dim)
     shift = len(gate_params)
-    interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, *gate_params, read_in, write_in, pool_rows, o,
+    interpreter.launch(kernel, [q_in, k_in, v_in, g_in, beta_in, *gate_params, read_in, write_in, bodies, pool_rows, o,
                                 pool_rows], [_O_ARG + shift, _POOL_OUT_ARG + shift])
     if copy_rows is not None:
         _write_back(pool, copy_rows, work_pool, state_v_first)
 
-    o = o[:num_seqs * width]
     if slots is None:
         out = o.reshape(v.shape)
     else:  # slots outside a sequence go to a spare row past the tokens, then dropped

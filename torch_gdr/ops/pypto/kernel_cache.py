@@ -208,10 +208,12 @@ def _default_decode_builder(**config: Any) -> Any:
 @dataclass(frozen=True)
 class DecodeKernelKey:
     """Everything a decode-step kernel is specialised on; ``kind`` tells it from other keys.
-    The batch enters as its bucket (:func:`torch_gdr.ops.pypto.decode.batch_bucket`), so
-    batch sizes of one bucket share a kernel."""
+    The batch is not part of it (the kernel's batch is dynamic); it enters only through
+    ``heads_per_body`` (1 or HV / H), and S as its bucket
+    (:func:`torch_gdr.ops.pypto.decode.token_bucket`): at most 2 x 8 kernels per
+    configuration of heads, head dims and dtypes."""
 
-    batch_bucket: int
+    heads_per_body: int
     num_qk_heads: int
     num_v_heads: int
     head_k_dim: int
@@ -225,17 +227,18 @@ class DecodeKernelKey:
     gate_in_kernel: bool = False
     beta_sigmoid_in_kernel: bool = False
     allow_neg_eigval: bool = False
+    store_every_token: bool = False
     kind: str = field(default="decode")
 
 
 class DecodeCacheInfo(NamedTuple):
     """Decode-kernel cache statistics: lookups served, kernels built, keys held, and the
-    batch buckets those keys cover (sorted, each once)."""
+    token buckets (S) those keys cover (sorted, each once)."""
 
     hits: int
     misses: int
     keys: tuple[DecodeKernelKey, ...]
-    buckets: tuple[int, ...]
+    token_buckets: tuple[int, ...]
 
 
 _decode_kernels = KernelCache(DecodeKernelKey, lambda **config: _default_decode_builder(**config))
@@ -248,10 +251,10 @@ def get_decode_kernel(*, builder: Callable[..., Any] | None = None, **config: An
 
 
 def decode_cache_info() -> DecodeCacheInfo:
-    """Hits, misses (= kernels built), the keys held and their batch buckets."""
+    """Hits, misses (= kernels built), the keys held and their token buckets."""
     info = _decode_kernels.info()
-    buckets = tuple(sorted({key.batch_bucket for key in info.keys}))
-    return DecodeCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, buckets=buckets)
+    buckets = tuple(sorted({key.tokens_per_seq for key in info.keys}))
+    return DecodeCacheInfo(hits=info.hits, misses=info.misses, keys=info.keys, token_buckets=buckets)
 
 
 def decode_cache_clear() -> None:

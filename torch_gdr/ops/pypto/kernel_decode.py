@@ -5,7 +5,7 @@ rows of one sequence on one value head, or on all the value heads of one key hea
 (:func:`value_heads_per_body`: one head per body while every pair gets a vector core of
 its own, so a small batch's latency is one pair's; the group once the bodies queue, so q
 and k are read and normalised once and the scheduler meets half the tasks). Within a
-body the S tokens of the sequence (S = 1 for plain decode, up to 8 for speculative
+body the S tokens of the sequence (S = 1 for plain decode, up to 16 for speculative
 verification) run one after another on the state rows held as fp32 blocks of 64 rows. Per
 token and value head, on the vector unit, with ``d = exp(g)``::
 
@@ -58,6 +58,7 @@ read_rows       ``[B, 1]`` int32              pool row each sequence starts from
                                               reshape, a round trip through memory)
 write_rows      ``[B * S]`` int32             pool row the state after token j of sequence
                                               n goes to (-1: not written)
+bodies          ``[1]`` int32                 loop bodies to run: ``B * HV / heads_per_body``
 pool            ``[slots * HV * K, V]``       the pool ``[slots, HV, K, V]`` key-first,
                 pool_dtype                    flattened; the rows are read from it
 o               ``[B * S, HV * V]`` fp32      outputs
@@ -73,8 +74,11 @@ copies than a ``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it read
 sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
 plain one (no ``gate_params`` argument).
 
-B is the batch bucket (the host pads with sequences whose rows are all -1), so the kernel
-is specialised on it and not on the batch size; the pool's row count stays dynamic.
+The batch B is not built into the kernel: every tensor's first dimension is dynamic and
+the body loop runs ``bodies[0]`` times (in the cost model a loop bound read from a tensor
+costs the same cycles as a constant one: 22,308 / 91,769 at B = 1 / 8, H16/HV32). The kernel
+is specialised on S (the host pads S to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`)
+and on the value heads per body, so a configuration has at most 16 decode kernels.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -102,29 +106,34 @@ def _pypto_dtype(name: str) -> Any:
     return {"float32": pypto.DT_FP32, "float16": pypto.DT_FP16, "bfloat16": pypto.DT_BF16}[name]
 
 
+#: Most tokens per sequence a kernel with a branch per token's store is built for (above:
+#: ``store_every_token``; 2^S compiled paths).
+MAX_BRANCHED_TOKENS = 4
+
 #: Vector cores of the simulated device (Ascend 910B, pypto's A2A3 config).
 VECTOR_CORES = 48
 
 
-def value_heads_per_body(batch_bucket: int, num_qk_heads: int, num_v_heads: int) -> int:
+def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int) -> int:
     """Value heads one loop body (one vector task) runs: 1 while every (sequence, value
     head) pair gets a vector core of its own (the step's latency is one pair's), else all
     the value heads of a key head (q and k read and normalised once; half the tasks at
     HV = 2H, which the scheduler's cost per task favours)."""
-    if batch_bucket * num_v_heads <= VECTOR_CORES:
+    if num_seqs * num_v_heads <= VECTOR_CORES:
         return 1
     return num_v_heads // num_qk_heads
 
 
-def validate_decode_config(*, batch_bucket: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
+def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
                            head_v_dim: int, tokens_per_seq: int, input_dtype: str, pool_dtype: str) -> None:
     """Raise ValueError for a configuration the decode kernel does not cover."""
     if head_k_dim not in SUPPORTED_HEAD_DIMS or head_v_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dims K={head_k_dim}, V={head_v_dim}: expected values in {SUPPORTED_HEAD_DIMS}")
     if num_qk_heads <= 0 or num_v_heads % num_qk_heads:
         raise ValueError(f"num_v_heads={num_v_heads} must be a positive multiple of num_qk_heads={num_qk_heads}")
-    if batch_bucket <= 0:
-        raise ValueError(f"batch_bucket: expected a positive int, got {batch_bucket}")
+    if heads_per_body not in (1, num_v_heads // num_qk_heads):
+        raise ValueError(f"heads_per_body: expected 1 or num_v_heads // num_qk_heads = {num_v_heads // num_qk_heads}, "
+                         f"got {heads_per_body}")
     if not 1 <= tokens_per_seq <= MAX_TOKENS_PER_SEQ:
         raise ValueError(f"tokens_per_seq: expected 1..{MAX_TOKENS_PER_SEQ}, got {tokens_per_seq}")
     if input_dtype not in SUPPORTED_INPUT_DTYPES:
@@ -135,7 +144,7 @@ def validate_decode_config(*, batch_bucket: int, num_qk_heads: int, num_v_heads:
 
 def build_decode_kernel(
     *,
-    batch_bucket: int,
+    heads_per_body: int,
     num_qk_heads: int,
     num_v_heads: int,
     head_k_dim: int,
@@ -149,14 +158,18 @@ def build_decode_kernel(
     gate_in_kernel: bool = False,
     beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    store_every_token: bool = False,
 ) -> Any:
     """Build (trace lazily, on first call) the decode-step kernel for one configuration.
 
     Args:
-        batch_bucket: B, the sequences of a launch (the host pads a smaller batch).
+        heads_per_body: value heads one loop body runs, 1 or HV / H
+            (:func:`value_heads_per_body` of the launch's batch). The batch itself is not
+            built in: the kernel runs ``bodies[0]`` loop bodies, the tensors' first
+            dimension is dynamic.
         num_qk_heads: H. num_v_heads: HV, a multiple of H.
         head_k_dim, head_v_dim: K and V, each 64, 128 or 256.
-        tokens_per_seq: S, tokens of every sequence (1..8; shorter sequences are padded by
+        tokens_per_seq: S, tokens of every sequence (1..16; shorter sequences are padded by
             the host with tokens whose write rows are -1).
         use_qk_l2norm: l2-normalise q and k per token before use.
         scale: factor applied to q (after the norm).
@@ -166,11 +179,16 @@ def build_decode_kernel(
             the log decay (module docstring).
         beta_sigmoid_in_kernel: beta is logits; the kernel takes ``s * sigmoid(beta)``.
         allow_neg_eigval: ``s = 2`` (beta in [0, 2]); only with ``beta_sigmoid_in_kernel``.
+        store_every_token: store every token's state to its write row, which the host makes
+            a valid row (a staging slot); otherwise a token whose write row is -1 is not
+            stored (a branch on the row). pypto 0.2.0 compiles a loop body once per
+            combination of its branches (2^S paths: S = 6 takes minutes in the interpreter),
+            so the host stores every token for S above :data:`MAX_BRANCHED_TOKENS`.
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
     """
-    validate_decode_config(batch_bucket=batch_bucket, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads,
+    validate_decode_config(heads_per_body=heads_per_body, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads,
                            head_k_dim=head_k_dim, head_v_dim=head_v_dim, tokens_per_seq=tokens_per_seq,
                            input_dtype=input_dtype, pool_dtype=pool_dtype)
     if allow_neg_eigval and not beta_sigmoid_in_kernel:
@@ -179,10 +197,8 @@ def build_decode_kernel(
     fp32 = pypto.DT_FP32
     in_dt, pool_dt = _pypto_dtype(input_dtype), _pypto_dtype(pool_dtype)
     group = num_v_heads // num_qk_heads
-    heads_per_body = value_heads_per_body(batch_bucket, num_qk_heads, num_v_heads)
     bodies_per_seq = num_v_heads // heads_per_body
-    num_bodies = batch_bucket * bodies_per_seq
-    num_tokens = batch_bucket * tokens_per_seq
+    num_tokens = pypto.DYNAMIC
     dk, dv = head_k_dim, head_v_dim
     pool_rows = pypto.DYNAMIC
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
@@ -308,13 +324,14 @@ def build_decode_kernel(
         v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
-        read_rows: pypto.Tensor([batch_bucket, 1], pypto.DT_INT32),
+        read_rows: pypto.Tensor([pypto.DYNAMIC, 1], pypto.DT_INT32),
         write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
+        bodies: pypto.Tensor([1], pypto.DT_INT32),
         pool: pypto.Tensor([pool_rows, dv], pool_dt),
         o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),
         pool_out: pypto.Tensor([pool_rows, dv], pool_dt),
     ):
-        for body in pypto.loop(num_bodies, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+        for body in pypto.loop(bodies[0], name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = body // bodies_per_seq
             first_head = (body % bodies_per_seq) * heads_per_body
             states = start_states(pool, read_rows, seq, first_head)
@@ -323,7 +340,9 @@ def build_decode_kernel(
                 states = body_token_step(q, k, v, g, beta, o, states, token, first_head)
                 row_out = write_rows[token]
                 # (a branch on a symbolic value must stand in the kernel's own body)
-                if row_out >= 0:
+                if store_every_token:
+                    store_states(pool_out, states, row_out, first_head)
+                elif row_out >= 0:
                     store_states(pool_out, states, row_out, first_head)
 
     # The gated variant: the same body with the raw gate's parameters (a second jit function:
@@ -336,13 +355,14 @@ def build_decode_kernel(
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
         gate_params: pypto.Tensor([2, num_v_heads], fp32),
-        read_rows: pypto.Tensor([batch_bucket, 1], pypto.DT_INT32),
+        read_rows: pypto.Tensor([pypto.DYNAMIC, 1], pypto.DT_INT32),
         write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
+        bodies: pypto.Tensor([1], pypto.DT_INT32),
         pool: pypto.Tensor([pool_rows, dv], pool_dt),
         o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),
         pool_out: pypto.Tensor([pool_rows, dv], pool_dt),
     ):
-        for body in pypto.loop(num_bodies, name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+        for body in pypto.loop(bodies[0], name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = body // bodies_per_seq
             first_head = (body % bodies_per_seq) * heads_per_body
             gates = gate_terms(gate_params, first_head)
@@ -351,43 +371,10 @@ def build_decode_kernel(
                 token = seq * tokens_per_seq + j
                 states = body_token_step(q, k, v, g, beta, o, states, token, first_head, gates)
                 row_out = write_rows[token]
-                if row_out >= 0:
+                if store_every_token:
+                    store_states(pool_out, states, row_out, first_head)
+                elif row_out >= 0:
                     store_states(pool_out, states, row_out, first_head)
 
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel
 
-
-def build_pool_copy_kernel(*, batch: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tokens_per_seq: int,
-                           pool_dtype: str = "float32") -> Any:
-    """A kernel that moves the pool-row bytes of a decode step and does nothing else, in
-    SIM run mode: the memory bound of :func:`build_decode_kernel` as pypto's cost model
-    sees it (``bench/pypto_cost_model.py --decode``).
-
-    Same loop and tiles as the decode kernel: each (sequence, value head) reads its
-    ``[K, V]`` row once and writes it to each of its S rows, in tiles of 64 rows (fp32) or
-    the whole row (a 2-byte pool, one copy, as the decode kernel reads it). Arguments:
-    ``read_rows [B]`` int32, ``write_rows [B * S]`` int32 (valid rows only), ``pool`` and
-    ``pool_out`` ``[slots * HV * K, V]`` (one storage, as for the decode kernel).
-    """
-    pypto = import_pypto()
-    pool_dt = _pypto_dtype(pool_dtype)
-    hv, dk, dv, s = num_v_heads, head_k_dim, head_v_dim, tokens_per_seq
-    state_rows = min(dk, 64) if pool_dtype == "float32" else dk
-    token_offsets = tuple(range(s))
-
-    @pypto.frontend.jit(runtime_options={"run_mode": pypto.RunMode.SIM, "stitch_function_max_num": STITCH_BODIES})
-    def pool_row_copy(
-        read_rows: pypto.Tensor([batch], pypto.DT_INT32),
-        write_rows: pypto.Tensor([batch * s], pypto.DT_INT32),
-        pool: pypto.Tensor([pypto.DYNAMIC, dv], pool_dt),
-        pool_out: pypto.Tensor([pypto.DYNAMIC, dv], pool_dt),
-    ):
-        for pair in pypto.loop(batch * hv, name="LOOP_SEQ_HEAD", idx_name="pair", parallel=True):
-            seq = pair // hv
-            head = pair % hv
-            pypto.set_vec_tile_shapes(state_rows, 128)
-            row = pypto.view(pool, [dk, dv], [(read_rows[seq] * hv + head) * dk, 0]) + 0.0
-            for j in token_offsets:
-                pypto.assemble(row, [(write_rows[seq * s + j] * hv + head) * dk, 0], pool_out)
-
-    return pool_row_copy

@@ -13,4 +13,4 @@ CHUNK_SIZES: tuple[int, ...] = (32, 64, 128)
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 #: Most tokens per sequence the decode kernel takes in one pool step (S of
 #: ``ssm_state_indices [N, S]``: the speculative verification width).
-MAX_STEP_TOKENS: int = 8
+MAX_STEP_TOKENS: int = 16

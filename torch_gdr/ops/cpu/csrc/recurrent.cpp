@@ -299,6 +299,98 @@ inline void block_half(const TokenIn& t, const P* hsrc, const float* fsrc, float
   }
 }
 
+#if !defined(__AVX512F__)
+// bfloat16 pool blocks on AVX2, which has no bfloat16 conversion: 16 columns per pair of
+// registers, the even columns in one and the odd in the other, so that a 32-byte row piece
+// converts with one shift (even) and one mask (odd), and the rounded halves merge back with
+// a shift, a mask and an or (no pack, no lane permute). The float32 state between tokens
+// (`fsrc`, `fdst`) keeps that order within each 16 columns: written and read only here.
+struct Bf16x16 {
+  __m256 even, odd;
+};
+
+inline Bf16x16 load_bf16x16(const c10::BFloat16* p) {
+  const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(m, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(m, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
+// float32 lanes rounded to nearest even, the bfloat16 in each lane's high half (NaN: 0x7FC0).
+inline __m256i round_bf16_high(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+inline void store_bf16x16(c10::BFloat16* p, __m256 even, __m256 odd) {
+  const __m256i e = _mm256_srli_epi32(round_bf16_high(even), 16);
+  const __m256i o = _mm256_and_si256(round_bf16_high(odd), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(e, o));
+}
+
+// block_half for a bfloat16 pool on AVX2, 16 * NP columns (see Bf16x16).
+template <int NP, typename T>
+inline void block_bf16_pairs(const TokenIn& t, const c10::BFloat16* hsrc, const float* fsrc, float* fdst,
+                             c10::BFloat16* hdst, int64_t K, int64_t V, float* obuf, T* out,
+                             const c10::BFloat16* next) {
+  constexpr int W = 16 * NP;
+  __m256 sk[2 * NP], sq[2 * NP], u[2 * NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < 2 * NP; ++i) sk[i] = _mm256_setzero_ps(), sq[i] = _mm256_setzero_ps();
+  auto load_pair = [&](int64_t r, int i, __m256& e, __m256& o) {
+    if (hsrc) {
+      const Bf16x16 x = load_bf16x16(hsrc + r * V + 16 * i);
+      e = x.even, o = x.odd;
+    } else {
+      e = _mm256_loadu_ps(fsrc + r * V + 16 * i), o = _mm256_loadu_ps(fsrc + r * V + 16 * i + 8);
+    }
+  };
+  if (hsrc || fsrc) {
+    for (int64_t r = 0; r < K; ++r) {
+      const __m256 kr = _mm256_set1_ps(t.k[r]), qr = _mm256_set1_ps(t.q[r]);
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i) {
+        __m256 e, o;
+        load_pair(r, i, e, o);
+        sk[2 * i] = _mm256_fmadd_ps(e, kr, sk[2 * i]), sq[2 * i] = _mm256_fmadd_ps(e, qr, sq[2 * i]);
+        sk[2 * i + 1] = _mm256_fmadd_ps(o, kr, sk[2 * i + 1]), sq[2 * i + 1] = _mm256_fmadd_ps(o, qr, sq[2 * i + 1]);
+      }
+    }
+  }
+  // v in the same order (even columns, then odd, per 16), o back in column order.
+  alignas(32) float vp[W], op[W];
+  for (int i = 0; i < NP; ++i)
+    for (int l = 0; l < 8; ++l) vp[16 * i + l] = t.v[16 * i + 2 * l], vp[16 * i + 8 + l] = t.v[16 * i + 2 * l + 1];
+  const __m256 alpha = _mm256_set1_ps(t.alpha), b = _mm256_set1_ps(t.beta);
+  const __m256 oscale = _mm256_set1_ps(t.oscale), kq = _mm256_set1_ps(t.kq);
+#pragma GCC unroll 8
+  for (int i = 0; i < 2 * NP; ++i) {
+    u[i] = _mm256_mul_ps(b, _mm256_fnmadd_ps(alpha, sk[i], _mm256_load_ps(vp + 8 * i)));
+    _mm256_store_ps(op + 8 * i, _mm256_fmadd_ps(oscale, sq[i], _mm256_mul_ps(kq, u[i])));
+  }
+  for (int i = 0; i < NP; ++i)
+    for (int l = 0; l < 8; ++l) obuf[16 * i + 2 * l] = op[16 * i + l], obuf[16 * i + 2 * l + 1] = op[16 * i + 8 + l];
+  store_row(obuf, out, W);
+  if (!fdst && !hdst) return;
+  for (int64_t r = 0; r < K; ++r) {
+    const __m256 kr = _mm256_set1_ps(t.k[r]);
+    if (next) prefetch_bytes(next + r * V, W * 2);
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      __m256 e = _mm256_mul_ps(kr, u[2 * i]), o = _mm256_mul_ps(kr, u[2 * i + 1]);
+      if (hsrc || fsrc) {
+        __m256 se, so;
+        load_pair(r, i, se, so);
+        e = _mm256_fmadd_ps(alpha, se, e), o = _mm256_fmadd_ps(alpha, so, o);
+      }
+      if (fdst) _mm256_storeu_ps(fdst + r * V + 16 * i, e), _mm256_storeu_ps(fdst + r * V + 16 * i + 8, o);
+      if (hdst) store_bf16x16(hdst + r * V + 16 * i, e, o);
+    }
+  }
+}
+#endif
+
 // Columns [j0, j0 + w) of one head for one token over a half pool (w a multiple of
 // Vec::kLanes, at most kBlock): block_half with the pointers offset to the block.
 template <typename P, typename T>
@@ -310,6 +402,14 @@ inline void step_block_half(const TokenIn& t, const P* hsrc, const float* fsrc, 
   const float* fs = fsrc ? fsrc + j0 : nullptr;
   float* fd = fdst ? fdst + j0 : nullptr;
   P* hd = hdst ? hdst + j0 : nullptr;
+#if !defined(__AVX512F__)
+  if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    if (w % 16 == 0) {
+      if (w == 32) return block_bf16_pairs<2>(tb, hs, fs, fd, hd, K, V, scratch, out + j0, next);
+      if (w == 16) return block_bf16_pairs<1>(tb, hs, fs, fd, hd, K, V, scratch, out + j0, next);
+    }
+  }
+#endif
   switch (w / Vec::kLanes) {
     case 1: return block_half<1>(tb, hs, fs, fd, hd, K, V, scratch, out + j0, next);
     case 2: return block_half<2>(tb, hs, fs, fd, hd, K, V, scratch, out + j0, next);

@@ -162,8 +162,8 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
     x = inputs(batch, 1, heads, v_heads, seed=100 + batch)
     gen = torch.Generator().manual_seed(batch)
     inv = torch.argsort(ggml_heads(heads, v_heads))
-    op = GgmlOp(driver, threads, *x.values(), pool_vf[:batch])
-    # agreement: both from the states of rows 0..B-1 (ggml's pool holds ours, value-first, heads permuted)
+    # agreement: both from the states now in rows 0..B-1 (earlier timings updated our pool, not ggml's)
+    op = GgmlOp(driver, threads, *x.values(), pool[:batch][:, inv].transpose(-1, -2).contiguous())
     with torch.no_grad():
         states = pool[:batch].clone()
         o_ref, s_ref = kernels.recurrent_fwd(*x.values(), None, states, False, None)
@@ -198,7 +198,6 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
           f"{med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; ggml/ours pool step "
           f"{ratio(times, 'ggml', 'pool_step'):.2f}x, ggml/ours per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
           f" (target B=1 >= 1.0); agreement {agree:.2e}")
-    del inv
     op.close()
 
 

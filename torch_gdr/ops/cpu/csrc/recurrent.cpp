@@ -521,7 +521,9 @@ void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const
 // the token before it left (the start row for the first) and writes its row, column block by
 // column block, as above (columns evolve independently, so a block of the start row is read
 // before any token overwrites it, even when a later token's row is the start row). Rows -1
-// go to a thread-local buffer instead. Other pools (bfloat16, float16, value-first) are
+// go to a thread-local buffer instead. A key-first bfloat16 / float16 pool whose V is a
+// multiple of the vector width is read and written in place too, converted in registers
+// (pool_half_direct, above). Other pools (value-first, or V not a multiple of the width) are
 // loaded once into a float32 key-first buffer that the tokens update in place, each token's
 // block rounded into its row right after it is computed.
 

@@ -134,3 +134,24 @@ def test_half_chunk_within_fla_bounds(dtype: torch.dtype, heads: int, v_heads: i
     for name, bound in bounds.items():
         err = rmse_ratio(ref[name], got[name])
         assert err < bound, f"{name}: rmse ratio {err:.4g} (bound {bound})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_chunk_is_the_fp32_chunk_rounded_once(dtype: torch.dtype) -> None:
+    """The half path converts each chunk's rows exactly and computes as the fp32 path does:
+    its o, dq, dk and dv are the fp32 path's on the same values, rounded to nearest once."""
+    x = make_inputs(batch_size=1, seq_len=40, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=24,
+                    dtype=torch.float64, normalize_qk=True, with_initial_state=True, seed=11)
+    half = {n: x[n].to(dtype) if n in "qkv" else x[n].float() for n in FIELDS}
+    h0 = (x["initial_state"] * 0.5).float()
+    do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    outs = {}
+    for name, cast in (("half", lambda t: t), ("fp32", lambda t: t.float())):
+        leaves = {n: cast(t).detach().requires_grad_() for n, t in half.items()}
+        o, _ = torch_gdr.chunk_gated_delta_rule(*(leaves[n] for n in FIELDS), None, h0, True, chunk_size=16,
+                                                backend="cpu")
+        o.backward(cast(do))
+        outs[name] = dict(o=o.detach(), **{f"d{n}": leaves[n].grad for n in "qkv"})
+    for name, got in outs["half"].items():
+        assert got.dtype == dtype, name
+        assert torch.equal(got, outs["fp32"][name].to(dtype)), f"{name}: not the fp32 result rounded once"

@@ -2,8 +2,10 @@
 
 One parallel region over (sequence, value head): each reads its start row, runs its tokens
 and writes the state after each token to that token's row, straight into a float32
-key-first pool (no gathered copy of the states), through a float32 buffer for bfloat16,
-float16 and value-first pools. The ``"cpu"`` backend serves pool steps only where the
+key-first pool (no gathered copy of the states). Key-first bfloat16 and float16 pools are
+read and written in place too, each row converted in vector registers (half the bytes of a
+float32 pool moved; the state carried in float32 between the tokens of a sequence and
+rounded to nearest where stored); value-first pools go through a float32 buffer. The ``"cpu"`` backend serves pool steps only where the
 extension is loaded (:mod:`.backend`); dispatch runs the pure-torch step
 (:func:`torch_gdr.ops.torch.pool.pool_recurrent_step`) elsewhere.
 

@@ -425,7 +425,7 @@ DECODE_ERRORS = {
     "grad": (dict(grad=True), ValueError, r"v: requires grad, but state pools are for inference"),
     "grad_dt_bias": (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2, requires_grad=True)),
                      ValueError, r"dt_bias: requires grad, but state pools are for inference"),
-    "in_place_type": (dict(inplace_final_state=1), TypeError, r"inplace_final_state: expected None or a bool, got int 1"),
+    "in_place_type": (dict(inplace_final_state=1), TypeError, r"inplace_final_state: expected a bool, got int 1 \(or None"),
     # out of place the rows are only read: still in range, acceptance still 1..S
     "out_of_place_index_past_pool": (dict(idx=torch.tensor([[0, 1], [7, 3]]), inplace_final_state=False), ValueError,
                                      r"ssm_state_indices: expected pool rows in \[-1, slots\) = \[-1, 6\), got 7"),

@@ -16,17 +16,8 @@ pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
 
 import torch_gdr.functional  # noqa: E402
 from torch_gdr.integrations.transformers import use_torch_gdr  # noqa: E402
-from tests.test_transformers_integration import ATOL, mild_decay_, tiny_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def reference_model() -> Any:
-    torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(tiny_config()).eval()
-    for layer in model.model.layers:
-        if hasattr(layer, "linear_attn"):
-            mild_decay_(layer.linear_attn)
-    return model
+# the module-scoped fixture of the integration tests: the same tiny model
+from tests.test_transformers_integration import ATOL, reference_model, tiny_config  # noqa: E402,F401
 
 
 class StepSpy:

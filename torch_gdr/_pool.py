@@ -120,6 +120,16 @@ def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _refuse_too_many_tokens(idx: Tensor, seq: int, tokens: int) -> None:
+    """Raise for sequence ``seq`` having ``tokens`` tokens, more than ``ssm_state_indices``
+    (``idx``: ``[N]`` or ``[N, S]``) has rows for."""
+    if idx.dim() == 1:
+        raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
+                         f"{seq} has {tokens}; pass [N, S] rows, one per token")
+    raise ValueError(f"ssm_state_indices: expected at most S = {idx.shape[1]} tokens per sequence (one row each), "
+                     f"but sequence {seq} has {tokens}")
+
+
 def _check_index_tensor(name: str, t: object, device: torch.device, ranks: Sequence[int], layout: str) -> Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected an integer torch.Tensor {layout}, got {type(t).__name__}")
@@ -292,12 +302,7 @@ def _check_decode(ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tenso
     width = 1 if idx.dim() == 1 else idx.shape[1]
     longest = 0 if lens is None else max(lens, default=0)  # unread offsets: not checked (validate=False)
     if in_place and longest > width:
-        n = lens.index(longest)
-        if idx.dim() == 1:
-            raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
-                             f"{n} has {longest}; pass [N, S] rows, one per token")
-        raise ValueError(f"ssm_state_indices: expected at most S = {width} tokens per sequence (one row each), but "
-                         f"sequence {n} has {longest}")
+        _refuse_too_many_tokens(idx, lens.index(longest), longest)
     acc = None
     if num_accepted_tokens is not None:
         acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, device, (1,), "[N]")
@@ -455,11 +460,7 @@ def check_batched_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
                          f"{_shape(idx)}")
     width = 1 if idx.dim() == 1 else idx.shape[1]
     if seq_len > width:
-        if idx.dim() == 1:
-            raise ValueError(f"ssm_state_indices: 1-D indices [N] take at most one token per sequence, but sequence "
-                             f"0 has {seq_len}; pass [N, S] rows, one per token")
-        raise ValueError(f"ssm_state_indices: expected at most S = {width} tokens per sequence (one row each), but "
-                         f"sequence 0 has {seq_len}")
+        _refuse_too_many_tokens(idx, 0, seq_len)
     acc = None
     if num_accepted_tokens is not None:
         acc = _check_index_tensor("num_accepted_tokens", num_accepted_tokens, q.device, (1,), "[N]")

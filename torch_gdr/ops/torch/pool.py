@@ -56,13 +56,7 @@ def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     num_v_heads, head_k_dim = v.shape[-2], q.shape[-1]
     scale = head_k_dim ** -0.5 if scale is None else float(scale)
     qf, kf, vf, gf, bf = (_flat_tokens(t, plan.token_major).to(compute) for t in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-    group = num_v_heads // q.shape[-2]
-    if group > 1:
-        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
-    qf = qf * scale
+    qf, kf = _step_queries_keys(qf, kf, num_v_heads, scale, use_qk_l2norm_in_kernel)
     o = torch.zeros(vf.shape, dtype=compute, device=v.device)
 
     indices = plan.indices
@@ -81,6 +75,19 @@ def pool_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     return o.to(v.dtype).reshape(v.shape)
 
 
+def _step_queries_keys(qf: Tensor, kf: Tensor, num_v_heads: int, scale: float,
+                       use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    """q and k ``[..., H, K]`` (compute dtype) as the step reads them: l2-normalised where
+    asked, repeated to the ``num_v_heads`` value heads, q times ``scale``."""
+    if use_qk_l2norm_in_kernel:
+        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = num_v_heads // qf.shape[-2]
+    if group > 1:
+        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
+    return qf * scale, kf
+
+
 def _batched_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                             pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
                             use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
@@ -97,13 +104,7 @@ def _batched_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     lead = (1, q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[1])  # [N, T]
     qf, kf, vf, gf, bf = (t.reshape(*lead, *t.shape[(1 if q.dim() == 3 else 2):]).to(compute)
                           for t in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-        kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
-    group = num_v_heads // q.shape[-2]
-    if group > 1:
-        qf, kf = qf.repeat_interleave(group, dim=-2), kf.repeat_interleave(group, dim=-2)
-    qf = qf * scale
+    qf, kf = _step_queries_keys(qf, kf, num_v_heads, scale, use_qk_l2norm_in_kernel)
     state = pool_gather(pool, read_rows, state_v_first).to(compute)  # [N, HV, K, V]
     outputs = []
     for j in range(lead[1]):

@@ -468,7 +468,7 @@ inline TokenIn prepare_token(const Problem& p, const T* q, const T* k, const T* 
 template <typename T>
 void recurrent_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                      const float* initial, T* o, float* final_state) {
-  const int64_t K = p.K, V = p.V, H = p.H, HV = p.HV, group = p.group();
+  const int64_t K = p.K, V = p.V, HV = p.HV, group = p.group();
   const int64_t state_size = K * V;
   const int64_t token_floats = 2 * K + V;
   parallel_items(
@@ -625,7 +625,7 @@ void pool_half_direct(const Problem& p, const T* q, const T* k, const T* v, cons
 template <typename T, typename P>
 void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                 const PoolArgs& a, T* o) {
-  const int64_t K = p.K, V = p.V, H = p.H, HV = p.HV, group = p.group();
+  const int64_t K = p.K, V = p.V, HV = p.HV, group = p.group();
   const int64_t state_size = K * V;
   const int64_t token_floats = 2 * K + V;
 #if defined(GDR_SIMD_BLOCK)

@@ -103,6 +103,27 @@ inline void prefetch_floats(const float* p, int64_t n, bool write) {
   }
 }
 
+// A token's outputs over a block of Vec::kLanes * NV columns from its S^T k (`sk`) and S^T q
+// (`sq`) of the decayed state: the delta u = beta (v - alpha S^T k) into `u`, and
+// o = oscale S^T q + (k.q) u into `out` (through `obuf` for a half-precision output).
+template <int NV, typename T>
+inline void token_outputs(const TokenIn& t, const Vec::R* sk, const Vec::R* sq, Vec::R* u, float* obuf, T* out) {
+  constexpr int L = Vec::kLanes;
+  const Vec::R alpha = Vec::set1(t.alpha), b = Vec::set1(t.beta);
+  const Vec::R oscale = Vec::set1(t.oscale), kq = Vec::set1(t.kq);
+#pragma GCC unroll 4
+  for (int i = 0; i < NV; ++i) {
+    u[i] = Vec::mul(b, Vec::fnmadd(alpha, sk[i], Vec::load(t.v + L * i)));
+    const Vec::R o = Vec::fmadd(oscale, sq[i], Vec::mul(kq, u[i]));
+    if constexpr (std::is_same_v<T, float>) {
+      Vec::store(out + L * i, o);
+    } else {
+      Vec::store(obuf + L * i, o);
+    }
+  }
+  if constexpr (!std::is_same_v<T, float>) store_row(obuf, out, L * NV);
+}
+
 // The same for a block of Vec::kLanes * NV columns, its S^T k and S^T q held in registers.
 // `next` (or null): the block to run after this one (row stride V), prefetched into L2 row
 // by row during the write; out of place, pass 1 prefetches the destination rows for writing
@@ -127,19 +148,8 @@ inline void block_simd(const TokenIn& t, const float* src, float* dst, int64_t K
       }
     }
   }
-  const Vec::R alpha = Vec::set1(t.alpha), b = Vec::set1(t.beta);
-  const Vec::R oscale = Vec::set1(t.oscale), kq = Vec::set1(t.kq);
-#pragma GCC unroll 4
-  for (int i = 0; i < NV; ++i) {
-    u[i] = Vec::mul(b, Vec::fnmadd(alpha, sk[i], Vec::load(t.v + L * i)));
-    const Vec::R o = Vec::fmadd(oscale, sq[i], Vec::mul(kq, u[i]));
-    if constexpr (std::is_same_v<T, float>) {
-      Vec::store(out + L * i, o);
-    } else {
-      Vec::store(obuf + L * i, o);
-    }
-  }
-  if constexpr (!std::is_same_v<T, float>) store_row(obuf, out, W);
+  token_outputs<NV>(t, sk, sq, u, obuf, out);
+  const Vec::R alpha = Vec::set1(t.alpha);
   for (int64_t r = 0; r < K; ++r) {
     float* row = dst + r * V;
     const Vec::R kr = Vec::set1(t.k[r]);
@@ -263,19 +273,8 @@ inline void block_half(const TokenIn& t, const P* hsrc, const float* fsrc, float
   };
   if (hsrc) accumulate(hsrc);
   else if (fsrc) accumulate(fsrc);
-  const Vec::R alpha = Vec::set1(t.alpha), b = Vec::set1(t.beta);
-  const Vec::R oscale = Vec::set1(t.oscale), kq = Vec::set1(t.kq);
-#pragma GCC unroll 4
-  for (int i = 0; i < NV; ++i) {
-    u[i] = Vec::mul(b, Vec::fnmadd(alpha, sk[i], Vec::load(t.v + L * i)));
-    const Vec::R o = Vec::fmadd(oscale, sq[i], Vec::mul(kq, u[i]));
-    if constexpr (std::is_same_v<T, float>) {
-      Vec::store(out + L * i, o);
-    } else {
-      Vec::store(obuf + L * i, o);
-    }
-  }
-  if constexpr (!std::is_same_v<T, float>) store_row(obuf, out, W);
+  token_outputs<NV>(t, sk, sq, u, obuf, out);
+  const Vec::R alpha = Vec::set1(t.alpha);
   if (!fdst && !hdst) return;  // a last token written nowhere (row -1)
   for (int64_t r = 0; r < K; ++r) {
     const Vec::R kr = Vec::set1(t.k[r]);

@@ -5,9 +5,9 @@ States value-first ``[B or pool, HV, V, K]`` (``state_v_first=True``), updated i
 the gate and beta activations in the kernel (``use_gate_in_kernel``); ``initial_state`` with
 ``initial_state_indices`` is a pool read and written at those rows (any row stride). A -1
 index gives a zero output (FlashInfer's float32 path; issue 36 item 8: torch_gdr itself
-returns the zero state's output). ``output_state_indices`` other than the read rows (a
-decode that reads one row and writes another, issue 36 item 2) is not in torch_gdr's
-decode: ``NotImplementedError``.
+returns the zero state's output). ``output_state_indices`` (a decode that reads one row and
+writes another) go to torch_gdr's ``initial_state_indices`` (read rows) and
+``ssm_state_indices`` (written rows).
 """
 
 from __future__ import annotations
@@ -33,21 +33,24 @@ def gated_delta_rule_decode_pretranspose(q: torch.Tensor, k: torch.Tensor, v: to
         if initial_state_indices is None:
             raise ValueError("initial_state_indices: required with initial_state (the pool)")
         pool, rows = initial_state, initial_state_indices
-        if output_state_indices is not None and not torch.equal(output_state_indices.long(), rows.long()):
-            raise NotImplementedError("output_state_indices: a decode that reads one row and writes another is "
-                                      "not in torch_gdr's decode (issue 36 item 2)")
     else:
         if state is None:
             raise ValueError("state: required without initial_state")
         pool, rows = state, torch.arange(q.shape[0], device=q.device)
     batch, tokens = q.shape[:2]
-    indices = rows.long()[:, None] if tokens == 1 else rows.long()[:, None].expand(batch, tokens)
+    rows = rows.long()
+    # the final state's row: output_state_indices where given (torch_gdr's start rows read
+    # one row and write another); a padding slot (-1 read row) writes nothing
+    out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(rows < 0, -1)
+    indices = torch.full((batch, tokens), -1, dtype=torch.long, device=q.device)
+    indices[:, -1] = out_rows
     with torch.no_grad():
         o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
-            q, k, v, a, b, scale=scale, initial_state=pool, ssm_state_indices=indices.contiguous(),
+            q, k, v, a, b, scale=scale, initial_state=pool, ssm_state_indices=indices,
+            initial_state_indices=rows,
             use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True, use_gate_in_kernel=True, A_log=A_log,
             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, backend=backend())
-        o = o.masked_fill((rows.long() < 0).view(-1, 1, 1, 1), 0)
+        o = o.masked_fill((rows < 0).view(-1, 1, 1, 1), 0)
         if output is not None:
             output.copy_(o)
             o = output
@@ -81,16 +84,13 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
     """T tokens per sequence from pool row ``initial_state_indices[b]`` (value-first pool; a
     negative row: padding, zero output, nothing written); the final state written back to
     that row unless ``disable_state_update`` (FlashInfer's default: True). Not in torch_gdr
-    (``NotImplementedError`` naming the issue-36 item): ``intermediate_states_buffer`` (item
-    3), ``output_state_indices`` other than the read rows and per-token ``ssm_state_indices``
-    whose first entries are not the read rows (item 2)."""
+    (``NotImplementedError`` naming the issue-36 item): FlashInfer's ``intermediate_states_buffer``
+    (item 3; torch_gdr's has another indexing, not mapped here)."""
     if intermediate_states_buffer is not None:
         raise NotImplementedError("intermediate_states_buffer: intermediate states written in place into the "
                                   "caller's buffer are not in torch_gdr's decode (issue 36 item 3)")
     rows = initial_state_indices.long()
-    if output_state_indices is not None and not torch.equal(output_state_indices.long(), rows):
-        raise NotImplementedError("output_state_indices: a decode that reads one row and writes another is not in "
-                                  "torch_gdr's decode (issue 36 item 2)")
+    out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(rows < 0, -1)
     batch, tokens = q.shape[:2]
     flat = [x.reshape(1, batch * tokens, *x.shape[2:]) for x in (q, k, v, a, b)]
     cu = torch.arange(batch + 1) * tokens
@@ -100,18 +100,16 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
     with torch.no_grad():
         if ssm_state_indices is not None:
             per_token = ssm_state_indices.long()
-            if not torch.equal(per_token[:, 0], rows):
-                raise NotImplementedError("ssm_state_indices: a sequence that starts from another row than its "
-                                          "first write is not in torch_gdr's decode (issue 36 item 2)")
             o, _ = torch_gdr.fused_recurrent_gated_delta_rule(*flat, initial_state=initial_state,
-                                                              ssm_state_indices=per_token, **common)
+                                                              ssm_state_indices=per_token,
+                                                              initial_state_indices=rows, **common)
         elif disable_state_update is None or disable_state_update:
             o, _ = torch_gdr.fused_recurrent_gated_delta_rule(*flat, initial_state=initial_state,
                                                               ssm_state_indices=rows, inplace_final_state=False,
                                                               **common)
         else:
             o, _ = torch_gdr.chunk_gated_delta_rule(*flat, initial_state=initial_state, initial_state_indices=rows,
-                                                    final_state_indices=rows, **common)
+                                                    final_state_indices=out_rows, **common)
         o = o.reshape(batch, tokens, *o.shape[2:]).masked_fill((rows < 0).view(-1, 1, 1, 1), 0)
         if output is not None:
             output.copy_(o)

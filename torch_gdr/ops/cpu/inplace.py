@@ -83,5 +83,8 @@ def cpu_step_inplace(call: GdrCall, state: Tensor) -> Tensor:
     """The ``step_inplace`` entry of the ``"cpu"`` backend: ``call`` (canonical, raw g and
     beta with its activation arguments), ``state`` the caller's ``initial_state`` (public
     layout, checked by :mod:`torch_gdr._inplace`); returns ``o``."""
-    return cpu_step_inplace_op(call.q, call.k, call.v, call.g, call.beta, call.scale, state, call.use_qk_l2norm,
-                               call.cu_seqlens, call.state_v_first, *gating_of(call))
+    # eager: the op's body directly (the custom op's Python dispatch costs more than a decode
+    # step's kernel at small batches); traced: the op, so Dynamo sees its fake and mutation
+    step = cpu_step_inplace_op if torch.compiler.is_compiling() else _step_inplace
+    return step(call.q, call.k, call.v, call.g, call.beta, call.scale, state, call.use_qk_l2norm,
+                call.cu_seqlens, call.state_v_first, *gating_of(call))

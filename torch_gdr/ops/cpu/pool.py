@@ -66,9 +66,13 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     if v.dtype not in KERNEL_DTYPES:
         raise TypeError(f"v: the fused CPU pool step takes float32, float16 or bfloat16, got {v.dtype}")
     gating = gating or Gating()
-    return _cpu_pool_step_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
-                             None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
-                             bool(state_v_first), *gating, initial_state_indices=initial_state_indices)
+    # eager: the op's body directly (the custom op's Python dispatch, ~0.1-0.4 ms, costs more
+    # than the kernel of a small decode step); traced: the op, whose eager body keeps the
+    # index checks out of the graph
+    step = _cpu_pool_step_op if torch.compiler.is_compiling() else _cpu_pool_step_impl
+    return step(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
+                None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
+                bool(state_v_first), *gating, initial_state_indices=initial_state_indices)
 
 
 _CPU_POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "

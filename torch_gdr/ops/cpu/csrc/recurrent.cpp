@@ -199,45 +199,38 @@ template <>
 inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+#elif defined(__F16C__)
+// 8 lanes: common.h's AVX2/F16C row conversions.
+template <>
+inline Vec::R load_lanes<c10::BFloat16>(const c10::BFloat16* p) { return convert8::load(p); }
+template <>
+inline void store_lanes<c10::BFloat16>(c10::BFloat16* p, Vec::R x) { convert8::store(p, x); }
+template <>
+inline Vec::R load_lanes<c10::Half>(const c10::Half* p) { return convert8::load(p); }
+template <>
+inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) { convert8::store(p, x); }
 #else
-template <>
-inline Vec::R load_lanes<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <>
-inline void store_lanes<c10::BFloat16>(c10::BFloat16* p, Vec::R x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  // 32 -> 16 bits: packus works per 128-bit lane, the permute gathers the two halves.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#if defined(__F16C__)
-template <>
-inline Vec::R load_lanes<c10::Half>(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-template <>
-inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-#else
-template <>
-inline Vec::R load_lanes<c10::Half>(const c10::Half* p) {
+// AVX2 without F16C: c10's scalar conversions, lane by lane.
+template <typename P>
+inline Vec::R load_lanes_scalar(const P* p) {
   alignas(32) float f[Vec::kLanes];
   for (int i = 0; i < Vec::kLanes; ++i) f[i] = static_cast<float>(p[i]);
   return Vec::load(f);
 }
-template <>
-inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) {
+template <typename P>
+inline void store_lanes_scalar(P* p, Vec::R x) {
   alignas(32) float f[Vec::kLanes];
   Vec::store(f, x);
-  for (int i = 0; i < Vec::kLanes; ++i) p[i] = static_cast<c10::Half>(f[i]);
+  for (int i = 0; i < Vec::kLanes; ++i) p[i] = static_cast<P>(f[i]);
 }
-#endif
+template <>
+inline Vec::R load_lanes<c10::BFloat16>(const c10::BFloat16* p) { return load_lanes_scalar(p); }
+template <>
+inline void store_lanes<c10::BFloat16>(c10::BFloat16* p, Vec::R x) { store_lanes_scalar(p, x); }
+template <>
+inline Vec::R load_lanes<c10::Half>(const c10::Half* p) { return load_lanes_scalar(p); }
+template <>
+inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) { store_lanes_scalar(p, x); }
 #endif
 
 // Prefetch `bytes` from `p` into L2 (64-byte lines).

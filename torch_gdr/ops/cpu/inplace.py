@@ -31,19 +31,19 @@ _SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, T
            "bool allow_neg_eigval=False) -> Tensor")
 
 
-def _rows(num_seqs: int, lengths: Optional[list[int]], seq_len: int) -> tuple[Tensor, Optional[Tensor]]:
-    """The pool indices ``[N, width]`` and read positions ``[N]`` (None: column 0) that make
-    sequence n read and write row n, its earlier tokens' states unwritten."""
+def _rows(num_seqs: int, lengths: Optional[list[int]], seq_len: int) -> tuple[Tensor, Tensor]:
+    """The pool indices ``[N, width]`` and start rows ``[N]`` that make sequence n read and
+    write row n, its earlier tokens' states unwritten."""
     rows = torch.arange(num_seqs, dtype=torch.int64)
     if lengths is None and seq_len == 1:
-        return rows.unsqueeze(1), None
+        return rows.unsqueeze(1), rows
     if lengths is None:
         lengths = [seq_len] * num_seqs
     width = max(1, max(lengths, default=1))
     indices = torch.full((num_seqs, width), -1, dtype=torch.int64)
     last = torch.tensor([max(n - 1, 0) for n in lengths], dtype=torch.int64)
     indices.scatter_(1, last.unsqueeze(1), rows.unsqueeze(1))
-    return indices, last
+    return indices, rows
 
 
 def _step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state: Tensor,
@@ -60,11 +60,12 @@ def _step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     dtype = v.dtype
     cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
     lengths = None if cu is None else (cu[1:] - cu[:-1]).tolist()
-    indices, read_pos = _rows(state.shape[0], lengths, v.shape[1])
+    indices, start_rows = _rows(state.shape[0], lengths, v.shape[1])
     gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     o = ext.pool_recurrent_fwd(_as(q, dtype), _as(k, dtype), _as(v, dtype), _as(g, torch.float32),
-                               _as(beta, torch.float32), float(scale), row_view(state), indices, read_pos,
-                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating))
+                               _as(beta, torch.float32), float(scale), row_view(state), indices, start_rows,
+                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating),
+                               None, True, None, None)
     return o.reshape(v.shape)
 
 

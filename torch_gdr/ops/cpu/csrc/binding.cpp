@@ -42,6 +42,7 @@ gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tenso
   p.scale = static_cast<float>(scale);
   p.l2norm = l2norm;
   p.threads = std::max(1, at::get_num_threads());
+  p.strides = {p.H * p.K, p.K, p.H * p.K, p.K, p.HV * p.V, p.V, p.HV, 1, p.HV, 1};  // contiguous
   TORCH_CHECK(stages >= 0 && stages <= 2, "stages must be 0 (auto), 1 (fused) or 2 (segmented)");
   p.stages = static_cast<gdr::Stages>(stages);
   if (cu_seqlens.has_value() && cu_seqlens->defined()) {
@@ -198,53 +199,118 @@ std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor
   return {o, final_state};
 }
 
-// The recurrence over a state pool, in place -> o. pool [slots, HV, K, V] ([slots, HV, V, K]
-// with v_first) float32/bfloat16/float16 with contiguous rows; indices int64 [N, width];
-// read_pos int64 [N] (the column each sequence starts from) or None (column 0). The Python
-// wrapper (torch_gdr/ops/cpu/pool.py) checks the rules of a pool call (no row written twice,
-// ...); this checks what would make the kernel read or write out of bounds.
+// A state pool's or buffer's element type.
+gdr::StateType state_type_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return gdr::StateType::Float;
+    case at::kHalf: return gdr::StateType::Half;
+    case at::kBFloat16: return gdr::StateType::BFloat16;
+    case at::kFloat8_e4m3fn: return gdr::StateType::Fp8E4M3;
+    case at::kFloat8_e5m2: return gdr::StateType::Fp8E5M2;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t.scalar_type());
+  }
+}
+
+// The token and head strides of q/k/v [B, T, heads, dim] (dim contiguous) or g/beta
+// [B, T, heads], where the B * T tokens are one strided dim.
+void token_strides(const Tensor& t, const char* name, int64_t& tok, int64_t& head) {
+  const int64_t B = t.size(0), T = t.size(1);
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+  if (t.dim() == 4) TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, ": expected a contiguous last dim");
+  TORCH_CHECK(B == 1 || T == 1 || t.stride(0) == T * t.stride(1), name,
+              ": expected the batch and time dims to flatten into one token dim, got strides ", t.strides());
+  tok = T == 1 ? t.stride(0) : t.stride(1);
+  head = t.stride(2);
+}
+
+// A [rows, (slots,) HV, K, V] state tensor ([.., V, K] with v_first) as a key-first view.
+gdr::StateView state_view(const Tensor& t, const char* name, const gdr::Problem& p, bool v_first, bool slotted) {
+  const int64_t lead = slotted ? 2 : 1;
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == lead + 3, name, ": expected a ", lead + 3, "-D CPU tensor");
+  const int64_t inner1 = v_first ? p.V : p.K, inner2 = v_first ? p.K : p.V;
+  TORCH_CHECK(t.size(lead) == p.HV && t.size(lead + 1) == inner1 && t.size(lead + 2) == inner2, name,
+              ": expected inner dims [HV, ", v_first ? "V, K" : "K, V", "] = [", p.HV, ", ", inner1, ", ", inner2,
+              "], got ", t.sizes());
+  gdr::StateView s;
+  s.data = t.data_ptr();
+  s.type = state_type_of(t, name);
+  s.s_row = t.stride(0);
+  s.s_slot = slotted ? t.stride(1) : 0;
+  s.s_head = t.stride(lead);
+  s.s_k = t.stride(v_first ? lead + 2 : lead + 1);
+  s.s_v = t.stride(v_first ? lead + 1 : lead + 2);
+  return s;
+}
+
+// An int64 CPU tensor of `numel` elements with every value in [lo, hi).
+const int64_t* checked_rows(const Tensor& t, const char* name, int64_t numel, int64_t lo, int64_t hi) {
+  check(t, name, at::kLong, numel);
+  const int64_t* x = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < numel; ++i)
+    TORCH_CHECK(x[i] >= lo && x[i] < hi, name, ": ", x[i], " outside [", lo, ", ", hi, ")");
+  return x;
+}
+
+// The recurrence over a state pool, in place -> o (gdr_cpu.h: PoolArgs). q, k, v [B, T, *, *]
+// of one dtype and g, beta float32 [B, T, HV], any strides where B * T flatten into one dim
+// and the last dim of q, k, v is contiguous. pool [slots, HV, K, V] ([slots, HV, V, K] with
+// v_first) float32/bfloat16/float16/fp8, any strides; indices int64 [N, width]; start_rows
+// int64 [N]; parents int64 [N, width] or None; buffer [R, S, HV, K, V] (pool layout)
+// float32/bfloat16/float16 with buffer_rows int64 [N], or None. The Python wrapper
+// (torch_gdr/ops/cpu/pool.py) checks the rules of a pool call (no row written twice, parents
+// before children, ...); this checks what would make the kernel read or write out of bounds.
 Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                          double scale, const Tensor& pool, const Tensor& indices, const optional<Tensor>& read_pos,
+                          double scale, const Tensor& pool, const Tensor& indices, const Tensor& start_rows,
                           bool l2norm, const optional<Tensor>& cu_seqlens, bool v_first,
                           const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
-                          double beta_scale) {
+                          double beta_scale, const optional<Tensor>& parents, bool write_pool,
+                          const optional<Tensor>& buffer, const optional<Tensor>& buffer_rows) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
-  check_inputs(p, q, k, v, g, beta);
+  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "k, v: expected k in q's shape and q, k, v of one dtype");
+  TORCH_CHECK(g.dim() == 3 && beta.dim() == 3 && g.sizes() == beta.sizes() && g.size(0) == q.size(0) &&
+                  g.size(1) == q.size(1) && g.size(2) == p.HV && g.scalar_type() == at::kFloat &&
+                  beta.scalar_type() == at::kFloat,
+              "g, beta: expected float32 [B, T, HV]");
+  gdr::InputStrides& st = p.strides;
+  token_strides(q, "q", st.q_tok, st.q_head);
+  token_strides(k, "k", st.k_tok, st.k_head);
+  token_strides(v, "v", st.v_tok, st.v_head);
+  token_strides(g, "g", st.g_tok, st.g_head);
+  token_strides(beta, "beta", st.b_tok, st.b_head);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
-  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 4, "pool: expected a 4-D CPU tensor");
-  const int64_t inner1 = v_first ? p.V : p.K, inner2 = v_first ? p.K : p.V;
-  TORCH_CHECK(pool.size(1) == p.HV && pool.size(2) == inner1 && pool.size(3) == inner2,
-              "pool: expected [slots, HV, ", v_first ? "V, K" : "K, V", "] = [slots, ", p.HV, ", ", inner1, ", ",
-              inner2, "], got ", pool.sizes());
-  TORCH_CHECK(pool.stride(3) == 1 && pool.stride(2) == inner2 && pool.stride(1) == inner1 * inner2 &&
-                  pool.stride(0) >= p.HV * p.K * p.V,
-              "pool: expected contiguous rows, got strides ", pool.strides());
-  const int64_t slots = pool.size(0), num = p.num_seqs();
-  TORCH_CHECK(indices.device().is_cpu() && indices.is_contiguous() && indices.scalar_type() == at::kLong &&
-                  indices.dim() == 2 && indices.size(0) == num && indices.size(1) >= 1,
-              "indices: expected a contiguous int64 CPU tensor [N, width] with N = ", num);
+  const int64_t num = p.num_seqs();
+  TORCH_CHECK(indices.dim() == 2 && indices.size(0) == num && indices.size(1) >= 1,
+              "indices: expected [N, width] with N = ", num);
   const int64_t width = indices.size(1);
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < indices.numel(); ++i)
-    TORCH_CHECK(idx[i] >= -1 && idx[i] < slots, "indices: row ", idx[i], " outside [-1, ", slots, ")");
   for (int64_t n = 0; n < num; ++n)
     TORCH_CHECK(p.len[n] <= width, "indices: sequence ", n, " has ", p.len[n], " tokens, more than width ", width);
-  const int64_t* pos = nullptr;
-  if (read_pos.has_value() && read_pos->defined()) {
-    check(*read_pos, "read_pos", at::kLong, num);
-    pos = read_pos->data_ptr<int64_t>();
-    for (int64_t n = 0; n < num; ++n)
-      TORCH_CHECK(pos[n] >= 0 && pos[n] < width, "read_pos: ", pos[n], " outside [0, ", width, ")");
-  }
   gdr::PoolArgs args;
-  args.pool = pool.data_ptr();
-  args.dtype = dtype_of(pool);
-  args.row_stride = pool.stride(0);
-  args.v_first = v_first;
-  args.indices = idx;
+  args.pool = state_view(pool, "pool", p, v_first, false);
+  const int64_t slots = pool.size(0);
+  args.indices = checked_rows(indices, "indices", num * width, -1, slots);
   args.width = width;
-  args.read_pos = pos;
-  Tensor o = at::empty(v.sizes(), v.options());
+  args.start_rows = checked_rows(start_rows, "start_rows", num, -1, slots);
+  if (parents.has_value() && parents->defined()) {
+    TORCH_CHECK(parents->dim() == 2 && parents->size(1) == width, "parents: expected [N, width]");
+    const int64_t* par = checked_rows(*parents, "parents", num * width, -1, width);
+    for (int64_t n = 0; n < num; ++n)
+      for (int64_t j = 0; j < p.len[n]; ++j)
+        TORCH_CHECK(par[n * width + j] < j, "parents: token ", j, " of sequence ", n, " has parent ",
+                    par[n * width + j], ", not before it");
+    args.parents = par;
+  }
+  args.write_pool = write_pool;
+  if (buffer.has_value() && buffer->defined()) {
+    args.buffer = state_view(*buffer, "buffer", p, v_first, true);
+    TORCH_CHECK(args.buffer.type == gdr::StateType::Float || args.buffer.type == gdr::StateType::Half ||
+                    args.buffer.type == gdr::StateType::BFloat16,
+                "buffer: expected float32, float16 or bfloat16");
+    TORCH_CHECK(buffer->size(1) >= width, "buffer: expected at least ", width, " slots a row, got ", buffer->size(1));
+    TORCH_CHECK(buffer_rows.has_value() && buffer_rows->defined(), "buffer_rows: required with a buffer");
+    args.buffer_rows = checked_rows(*buffer_rows, "buffer_rows", num, 0, buffer->size(0));
+  }
+  Tensor o = at::empty({q.size(0), q.size(1), p.HV, p.V}, v.options().memory_format(at::MemoryFormat::Contiguous));
   {
     pybind11::gil_scoped_release no_gil;
     gdr::pool_recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),

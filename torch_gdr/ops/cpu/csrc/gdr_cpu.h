@@ -32,6 +32,14 @@ struct Gating {
   float beta_scale = 1.0f;
 };
 
+// Element strides of the token and head dims of q, k ([Ttot, H, K]), v ([Ttot, HV, V]), g and
+// beta ([Ttot, HV]); the last dim of q, k and v is contiguous. The pool step reads views
+// (q, k, v carved out of one packed projection); every other kernel, contiguous tensors.
+struct InputStrides {
+  int64_t q_tok = 0, q_head = 0, k_tok = 0, k_head = 0, v_tok = 0, v_head = 0;
+  int64_t g_tok = 0, g_head = 1, b_tok = 0, b_head = 1;
+};
+
 // The shape of one call and its sequences.
 struct Problem {
   DType dtype = DType::Float;
@@ -42,6 +50,7 @@ struct Problem {
   Stages stages = Stages::Auto;
   std::vector<int64_t> bos, len;  // per sequence
   Gating gating;
+  InputStrides strides;  // contiguous unless the caller sets them
   int64_t num_seqs() const { return static_cast<int64_t>(len.size()); }
   int64_t group() const { return HV / H; }
   int64_t num_chunks(int64_t n) const { return (len[n] + C - 1) / C; }
@@ -68,20 +77,33 @@ void chunk_bwd(const Problem& p, const void* grad_o, const float* grad_final, co
 void recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
                    const float* beta, const float* initial, void* o, float* final_state);
 
-// A state pool for pool_recurrent_fwd: rows [slots, HV, K, V] (value-first [slots, HV, V, K])
-// in `dtype`, row r at pool + r * row_stride elements, each row's inner dims contiguous.
-// Sequence n starts from row indices[n * width + (read_pos ? read_pos[n] : 0)] and writes the
-// state after its token j to row indices[n * width + j] (len[n] <= width); row -1 reads as
-// zeros and is never written. The caller guarantees rows in [-1, slots), no row written twice
-// and no row written by one sequence and read by another.
+// The element type of a state pool or of an intermediate-states buffer.
+enum class StateType { Float, Half, BFloat16, Fp8E4M3, Fp8E5M2 };
+
+// A state tensor of any strides, seen key-first: state (row, slot, head) element (i, j)
+// ([K, V] per head) at data + row * s_row + slot * s_slot + head * s_head + i * s_k + j * s_v.
+// A value-first pool passes its last two strides swapped; a pool has one slot.
+struct StateView {
+  void* data = nullptr;
+  StateType type = StateType::Float;
+  int64_t s_row = 0, s_slot = 0, s_head = 0, s_k = 0, s_v = 1;
+};
+
+// The pool step's rows (see torch_gdr/_pool.py for the rules, checked by the caller: rows in
+// [-1, slots), no row written twice, none written by one sequence and read by another).
+// Sequence n starts from pool row start_rows[n] (-1: zeros). Token j of it starts from the
+// state after its token parents[n * width + j] (-1: the start state), or after token j - 1
+// without parents; its state goes to pool row indices[n * width + j] (-1: none; nowhere
+// without write_pool) and, with a buffer, to buffer (row buffer_rows[n], slot j).
 struct PoolArgs {
-  void* pool = nullptr;
-  DType dtype = DType::Float;
-  int64_t row_stride = 0;
-  bool v_first = false;
-  const int64_t* indices = nullptr;   // [N, width]
+  StateView pool;
+  const int64_t* indices = nullptr;      // [N, width]
   int64_t width = 1;
-  const int64_t* read_pos = nullptr;  // [N] or null
+  const int64_t* start_rows = nullptr;   // [N]
+  const int64_t* parents = nullptr;      // [N, width] or null
+  bool write_pool = true;
+  StateView buffer;                      // data null: no buffer
+  const int64_t* buffer_rows = nullptr;  // [N]
 };
 
 // The per-token recurrence over a pool, in place (float32 compute, rounded on store).

@@ -1,0 +1,246 @@
+// The per-token recurrence over a state pool, in place (the rules: gdr_cpu.h's PoolArgs and
+// torch_gdr/_pool.py): one parallel region over (sequence, value head), each head's state
+// in column blocks (token_block.h; columns evolve independently, so a block of the start
+// row is read before any token of the sequence overwrites it).
+//
+// For each column block, the tokens of a sequence run in order. A token reads its parent's
+// block (the start row's for the first token of a chain and for a tree's roots) and writes
+// its own: into its pool row (rounded to the pool's type; fp8 saturating) and its buffer
+// slot, straight from vector registers, and where a later token starts from it, also as
+// float32: its row itself when that row is float32, else a scratch block of the calling
+// thread (one for a chain, updated in place; one per token for a tree). The state is
+// carried in float32 between tokens and rounded only where stored.
+//
+// Pools and buffers whose value dim is not contiguous (value-first pools, other views), a V
+// that is not a multiple of the vector width, and CPUs without AVX2 + FMA take the staged
+// path: the start block is loaded into float32 scratch, every token computes into scratch,
+// and its block is then stored, converted, wherever it goes.
+#include "token_block.h"
+
+namespace gdr {
+
+namespace {
+
+// The block (row, slot, head) of a state view from column j0, as E.
+template <typename E>
+inline E* state_at(const StateView& s, int64_t row, int64_t slot, int64_t head, int64_t j0) {
+  return static_cast<E*>(s.data) + row * s.s_row + slot * s.s_slot + head * s.s_head + j0 * s.s_v;
+}
+
+// [K, w] float32 (rows `fs` apart) from a block of E (rows s_k, columns s_v apart).
+template <typename E>
+inline void load_block(const E* src, int64_t s_k, int64_t s_v, float* dst, int64_t fs, int64_t K, int64_t w) {
+  if (s_v == 1) {
+    for (int64_t r = 0; r < K; ++r) load_row(src + r * s_k, dst + r * fs, w);
+    return;
+  }
+  for (int64_t c = 0; c < w; ++c)
+    for (int64_t r = 0; r < K; ++r) dst[r * fs + c] = to_float(src[r * s_k + c * s_v]);
+}
+
+// `n` float32 values into a row of E (store_cast's rounding: fp8 saturates).
+template <typename E>
+inline void store_row_cast(const float* src, E* dst, int64_t n) {
+  if constexpr (is_fp8_v<E>) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) fp8_store8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = store_cast<E>(src[i]);
+  } else {
+    store_row(src, dst, n);
+  }
+}
+
+// A [K, w] float32 block (rows `fs` apart) into a block of E (rows s_k, columns s_v apart).
+template <typename E>
+inline void store_block(const float* src, int64_t fs, E* dst, int64_t s_k, int64_t s_v, int64_t K, int64_t w) {
+  if (s_v == 1) {
+    for (int64_t r = 0; r < K; ++r) store_row_cast(src + r * fs, dst + r * s_k, w);
+    return;
+  }
+  for (int64_t c = 0; c < w; ++c)
+    for (int64_t r = 0; r < K; ++r) dst[r * s_k + c * s_v] = store_cast<E>(src[r * fs + c]);
+}
+
+// store_block into a buffer of any StateType.
+inline void store_block_as(const float* src, int64_t fs, const StateView& s, int64_t row, int64_t slot,
+                           int64_t head, int64_t j0, int64_t K, int64_t w) {
+  switch (s.type) {
+    case StateType::Float:
+      return store_block(src, fs, state_at<float>(s, row, slot, head, j0), s.s_k, s.s_v, K, w);
+    case StateType::Half:
+      return store_block(src, fs, state_at<c10::Half>(s, row, slot, head, j0), s.s_k, s.s_v, K, w);
+    case StateType::BFloat16:
+      return store_block(src, fs, state_at<c10::BFloat16>(s, row, slot, head, j0), s.s_k, s.s_v, K, w);
+    case StateType::Fp8E4M3:
+      return store_block(src, fs, state_at<c10::Float8_e4m3fn>(s, row, slot, head, j0), s.s_k, s.s_v, K, w);
+    case StateType::Fp8E5M2:
+      return store_block(src, fs, state_at<c10::Float8_e5m2>(s, row, slot, head, j0), s.s_k, s.s_v, K, w);
+  }
+}
+
+// Where a token's float32 state lives while later tokens of the block read it.
+struct Loc {
+  float* base = nullptr;  // a row's column 0, or a scratch block
+  int64_t stride = 0;     // between rows
+  bool scratch = false;   // a scratch block (already the block's own) or a row (offset by j0)
+  float* at(int64_t j0) const { return base ? (scratch ? base : base + j0) : nullptr; }
+};
+
+// Per token of the item being computed (the calling thread's, reused).
+struct TokenPlan {
+  int64_t parent;      // -1: the start state
+  int64_t pool_row;    // -1: not stored in the pool
+  bool followed;       // a later token starts from it
+  Loc loc;             // its float32 state (vector path), or none
+  bool store_pool_h;   // the vector path stores its pool row from registers (hdst)
+};
+
+template <typename T, typename P>
+void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+                const PoolArgs& a, T* o) {
+  const int64_t K = p.K, V = p.V, HV = p.HV, group = p.group(), width = a.width;
+  const int64_t token_floats = 2 * K + V, block_floats = K * kBlock;
+  const StateView& pv = a.pool;
+  const StateView& bv = a.buffer;
+  const bool tree = a.parents != nullptr, has_buf = bv.data != nullptr;
+  constexpr bool f32_pool = std::is_same_v<P, float>;
+  bool vector = false;
+#if defined(GDR_SIMD_BLOCK)
+  vector = pv.s_v == 1 && (!has_buf || bv.s_v == 1) && V % Vec::kLanes == 0;
+#endif
+  const bool buf_f32 = vector && has_buf && bv.type == StateType::Float;
+  // scratch blocks: one per token of a tree (one for a chain), then the staged start block
+  const int64_t slots = tree ? width : 1;
+  const int64_t scratch_floats = width * token_floats + 3 * kBlock + (slots + 1) * block_floats;
+  auto start_of = [&](int64_t n) { return a.start_rows[n]; };
+  const int64_t items = p.num_seqs() * HV;
+  parallel_items(
+      p.threads, items, scratch_floats,
+      [&](float* scratch, int64_t i) {
+        const int64_t n = i / HV, h = i % HV, hk = h / group, len = p.len[n];
+        if (len == 0) return;  // no token: nothing read, nothing written
+        thread_local std::vector<TokenIn> ins;
+        thread_local std::vector<TokenPlan> plan;
+        if (static_cast<int64_t>(ins.size()) < width) ins.resize(width), plan.resize(width);
+        float* block_scratch = scratch + width * token_floats;
+        float* slot_base = block_scratch + 3 * kBlock;
+        float* stage = slot_base + slots * block_floats;  // the start row's block, float32
+        const int64_t r0 = start_of(n);
+        // the tokens, and where each one's state goes
+        for (int64_t j = 0; j < len; ++j) {
+          const int64_t tok = p.bos[n] + j;
+          ins[j] = prepare_token(p, q, k, v, g, beta, tok, hk, h, scratch + j * token_floats);
+          TokenPlan& t = plan[j];
+          t.parent = tree ? a.parents[n * width + j] : j - 1;
+          const int64_t row = a.indices[n * width + j];
+          t.pool_row = a.write_pool ? row : -1;
+          t.followed = false;
+          if (t.parent >= 0) plan[t.parent].followed = true;
+        }
+        bool stage_start = !vector && r0 >= 0;
+        if (vector && tree && r0 >= 0) {  // a root after a token that overwrote the start row
+          for (int64_t j = 0; j < len; ++j) stage_start = stage_start || plan[j].pool_row == r0;
+        }
+        for (int64_t j = 0; j < len; ++j) {
+          TokenPlan& t = plan[j];
+          t.loc = Loc{};
+          t.store_pool_h = vector && t.pool_row >= 0;
+          float* slot = slot_base + (tree ? j : 0) * block_floats;
+          if (!vector) {
+            t.loc = Loc{slot, kBlock, true};
+          } else if (buf_f32) {
+            t.loc = Loc{state_at<float>(bv, a.buffer_rows[n], j, h, 0), bv.s_k, false};
+          } else if (f32_pool && t.pool_row >= 0) {
+            t.loc = Loc{reinterpret_cast<float*>(state_at<P>(pv, t.pool_row, 0, h, 0)), pv.s_k, false};
+          } else if (t.followed || has_buf) {
+            t.loc = Loc{slot, kBlock, true};
+          }
+        }
+        // bfloat16 pairs keep scratch in their own column order: only where nothing else reads it
+        const bool pairs = !has_buf && !stage_start;
+        const P* start = r0 >= 0 ? state_at<P>(pv, r0, 0, h, 0) : nullptr;
+        const P* next_item = nullptr;  // the head this thread runs next (contiguous schedule)
+        if (vector && i + 1 < items && p.len[(i + 1) / HV] > 0 && start_of((i + 1) / HV) >= 0)
+          next_item = state_at<P>(pv, start_of((i + 1) / HV), 0, (i + 1) % HV, 0);
+        (void)next_item;
+        (void)pairs;
+        for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
+          const int64_t w = std::min(kBlock, V - j0);
+          if (stage_start) load_block(start + j0 * pv.s_v, pv.s_k, pv.s_v, stage, kBlock, K, w);
+          for (int64_t j = 0; j < len; ++j) {
+            const TokenPlan& t = plan[j];
+            const int64_t tok = p.bos[n] + j;
+            T* out = o + (tok * HV + h) * V + j0;
+            TokenIn tb = ins[j];
+            tb.v = ins[j].v + j0;
+            // the state it starts from: its parent's float32 block, the start row, or zeros
+            const float* fsrc = nullptr;
+            int64_t fss = 0;
+            const P* hsrc = nullptr;
+            if (t.parent >= 0) {
+              fsrc = plan[t.parent].loc.at(j0), fss = plan[t.parent].loc.stride;
+            } else if (stage_start) {
+              fsrc = stage, fss = kBlock;
+            } else if (start) {
+              hsrc = start + j0;
+            }
+            float* fdst = t.loc.at(j0);
+            if (!vector) {
+              block_generic(tb, fsrc, fss, fdst, kBlock, K, w, block_scratch, block_scratch + kBlock,
+                            block_scratch + 2 * kBlock, out);
+              if (t.pool_row >= 0)
+                store_block(fdst, kBlock, state_at<P>(pv, t.pool_row, 0, h, j0), pv.s_k, pv.s_v, K, w);
+              if (has_buf) store_block_as(fdst, kBlock, bv, a.buffer_rows[n], j, h, j0, K, w);
+              continue;
+            }
+#if defined(GDR_SIMD_BLOCK)
+            P* hdst = t.store_pool_h ? state_at<P>(pv, t.pool_row, 0, h, j0) : nullptr;
+            if (f32_pool && fdst && static_cast<void*>(fdst) == static_cast<void*>(hdst)) hdst = nullptr;
+            const P* next = nullptr;
+            int64_t nss = pv.s_k;
+            if (j == len - 1) {
+              if (j0 + kBlock < V) next = start && !stage_start ? start + j0 + kBlock : nullptr;
+              else next = next_item;
+            }
+            step_block_half(tb, hsrc, pv.s_k, fsrc, fss, fdst, t.loc.stride, hdst, pv.s_k, K, w, block_scratch, out,
+                            next, nss, pairs);
+            if (has_buf && !buf_f32) store_block_as(fdst, t.loc.stride, bv, a.buffer_rows[n], j, h, j0, K, w);
+#endif
+          }
+        }
+      },
+      /*contiguous=*/true);
+}
+
+template <typename T>
+void pool_dispatch(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+                   const PoolArgs& a, T* o) {
+  switch (a.pool.type) {
+    case StateType::Float: return pool_typed<T, float>(p, q, k, v, g, beta, a, o);
+    case StateType::Half: return pool_typed<T, c10::Half>(p, q, k, v, g, beta, a, o);
+    case StateType::BFloat16: return pool_typed<T, c10::BFloat16>(p, q, k, v, g, beta, a, o);
+    case StateType::Fp8E4M3: return pool_typed<T, c10::Float8_e4m3fn>(p, q, k, v, g, beta, a, o);
+    case StateType::Fp8E5M2: return pool_typed<T, c10::Float8_e5m2>(p, q, k, v, g, beta, a, o);
+  }
+}
+
+}  // namespace
+
+void pool_recurrent_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g,
+                        const float* beta, const PoolArgs& pool, void* o) {
+  switch (p.dtype) {
+    case DType::Float:
+      return pool_dispatch(p, static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), g, beta, pool, static_cast<float*>(o));
+    case DType::Half:
+      return pool_dispatch(p, static_cast<const c10::Half*>(q), static_cast<const c10::Half*>(k),
+                           static_cast<const c10::Half*>(v), g, beta, pool, static_cast<c10::Half*>(o));
+    case DType::BFloat16:
+      return pool_dispatch(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
+                           static_cast<const c10::BFloat16*>(v), g, beta, pool, static_cast<c10::BFloat16*>(o));
+  }
+}
+
+}  // namespace gdr

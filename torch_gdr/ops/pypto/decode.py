@@ -236,11 +236,16 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         slots, in_sequence = _token_slots(cu_seqlens, num_seqs, seq_len, kernel_width, device)
         flat = [x.index_select(0, slots) for x in flat]
 
-    def packed(x: Tensor, dtype: torch.dtype) -> Tensor:
-        return x.reshape(num_seqs * kernel_width, -1).to(dtype).contiguous()
+    def packed(x: Tensor, dtype: torch.dtype, row: int) -> Tensor:
+        """``x`` as ``[-1, row]`` in ``dtype``: a view where it already is (the common step)."""
+        return x.reshape(-1, row).to(dtype).contiguous()
 
-    q_in, k_in, v_in = (packed(x, in_dtype) for x in flat[:3])
-    g_in, beta_in = (packed(x, torch.float32) for x in flat[3:])
+    # one-token kernels read q, k as [T * H, K] and v as [T * HV, V] (a body's heads are
+    # adjacent rows), several-token ones [T, H * K], [T, HV * V] (a sequence's tokens are)
+    one_token = kernel_width == 1
+    q_in, k_in = (packed(x, in_dtype, head_k_dim if one_token else num_qk_heads * head_k_dim) for x in flat[:2])
+    v_in = packed(flat[2], in_dtype, head_v_dim if one_token else num_v_heads * head_v_dim)
+    g_in, beta_in = (packed(x, torch.float32, num_v_heads) for x in flat[3:])
 
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
     read_rows = plan.start_rows
@@ -271,7 +276,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         write_rows = slot_of if store_every_token else torch.where(write_rows >= 0, slot_of, write_rows)
     read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
-    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads)
+    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width)
     bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
     gating = gating or Gating()

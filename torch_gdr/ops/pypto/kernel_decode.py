@@ -221,9 +221,11 @@ def build_decode_kernel(
     pool_rows = pypto.DYNAMIC
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
     state_rows = min(dk, 64)  # vector tile rows of the state's blocks (64 x 128 fp32: 32 KiB)
-    # the row read as one tile while it fits 64 KiB in fp32 (K <= 128), else block by block
-    read_rows_tile = dk if dk * min(dv, 128) * 4 <= 65536 else state_rows
-    small_rows = max(8, key_heads, heads, tokens_per_seq)  # tile rows of the small inputs
+    # a one-token kernel reads the row as one tile while it fits 64 KiB in fp32 (K <= 128),
+    # else block by block (so does a several-token one: there a 128-row tile makes the
+    # cost model fail, FFFFFF, at S = 16; it reads the row once for S tokens anyway)
+    read_rows_tile = dk if one_token and dk * min(dv, 128) * 4 <= 65536 else state_rows
+    small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
 
     def fp32_of(x: Any, dtype: str) -> Any:
         return x if dtype == "float32" else pypto.cast(x, fp32)

@@ -221,10 +221,11 @@ def build_decode_kernel(
     pool_rows = pypto.DYNAMIC
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
     state_rows = min(dk, 64)  # vector tile rows of the state's blocks (64 x 128 fp32: 32 KiB)
-    # a one-token kernel reads the row as one tile while it fits 64 KiB in fp32 (K <= 128),
-    # else block by block (so does a several-token one: there a 128-row tile makes the
-    # cost model fail, FFFFFF, at S = 16; it reads the row once for S tokens anyway)
-    read_rows_tile = dk if one_token and dk * min(dv, 128) * 4 <= 65536 else state_rows
+    # A one-token kernel reads an fp32 row as one tile while it fits 64 KiB (K <= 128); the
+    # others read 64-row blocks: a 128-row tile makes the cost model fail (FFFFFF) in the
+    # several-token kernel at S = 16 (which reads the row once for S tokens anyway) and in
+    # the cast of a 2-byte row.
+    read_rows_tile = dk if one_token and pool_dtype == "float32" and dk * min(dv, 128) * 4 <= 65536 else state_rows
     small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
 
     def fp32_of(x: Any, dtype: str) -> Any:

@@ -550,3 +550,43 @@ def test_pool_step_op_passes_opcheck() -> None:
     idx = torch.tensor([2, -1], dtype=torch.int32)
     torch.library.opcheck(torch.ops.gdr._pypto_pool_step.default,
                           (q, k, v, g, beta, pool, idx, None, None, None, True, False, True))
+
+
+def _matrix_case(dim: int, batch: int, width: int, pool_dtype: torch.dtype) -> None:
+    """One cell of the interpreter matrix: H2/HV4, K = V = ``dim``, ``batch`` sequences of
+    ``width`` tokens (acceptance counts running over 1..S, the last sequence shorter), -1
+    slots (never written), a -1 start row, a NaN row nobody reads."""
+    gen = random.Random(dim * 1000 + batch * 100 + width)
+    slots = batch * width + 3
+    picks = gen.sample(range(1, slots), batch * width)  # row 0 holds NaN
+    rows = [picks[n * width:(n + 1) * width] for n in range(batch)]
+    accepted = [1 + (n * 5 + 2) % width for n in range(batch)] if width > 1 else None
+    lens = [width] * batch
+    if width > 1:
+        lens[-1] = max(1, width - 2)
+        for n in range(batch):  # a -1 slot, not the one the sequence starts from
+            if (accepted[n] + n) % width != accepted[n] - 1:
+                rows[n][(accepted[n] + n) % width] = -1
+    start = accepted[-1] - 1 if accepted else 0
+    rows[-1][start] = -1  # the last sequence starts from zeros
+    run_case(lens, width if width > 1 else None, accepted, heads=(2, 4), dk=dim, dv=dim, rows=rows,
+             pool_dtype=pool_dtype, nan_rows=(0,), slots=slots, seed=dim + batch + width)
+
+
+_MATRIX = [(dim, batch, width, dtype) for dim in (64, 128, 256) for batch in (1, 3, 8) for width in (1, 4, 16)
+           for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+#: The matrix cells run by default (one per pool dtype, each S, the three head dims, batches 1 and 3).
+_MATRIX_DEFAULT = {(64, 3, 1, torch.float32), (64, 1, 4, torch.bfloat16), (64, 3, 16, torch.float16),
+                   (128, 1, 1, torch.float16), (256, 1, 1, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dim, batch, width, pool_dtype", [
+    pytest.param(*cell, marks=() if cell in _MATRIX_DEFAULT else pytest.mark.slow) for cell in _MATRIX],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_interpreter_matrix(dim: int, batch: int, width: int, pool_dtype: torch.dtype) -> None:
+    """Issue 37's interpreter matrix through the public call: H2/HV4, K = V in {64, 128,
+    256}, B in {1, 3, 8}, S in {1, 4, 16}, fp32, bf16 and fp16 pools, acceptance counts,
+    -1 slots and start rows, against the float64 recurrence (fp32 within 1e-3 |ref| + 1e-4,
+    half pools within fla's rmse ratio 0.005 against a reference rounded at the same
+    stores); rows other than the written ones bit for bit."""
+    _matrix_case(dim, batch, width, pool_dtype)

@@ -1,44 +1,36 @@
 """The gated delta rule decode step over a state pool as one PyPTO kernel (pypto 0.2.0).
 
-One launch runs the whole batch. The loop bodies are independent: each owns the state
-rows of one sequence on one value head, or on all the value heads of one key head
-(:func:`value_heads_per_body`: one head per body while every pair gets a vector core of
-its own, so a small batch's latency is one pair's; the group once the bodies queue, so q
-and k are read and normalised once and the scheduler meets half the tasks). Within a
-body the S tokens of the sequence (S = 1 for plain decode, up to 16 for speculative
-verification) run one after another on the state rows held as fp32 blocks of 64 rows. Per
-token and value head, on the vector unit, with ``d = exp(g)``::
+One launch runs the whole batch. The loop bodies are independent, each one vector task
+(``pg_skip_partition``). A one-token kernel's body runs one sequence on 1, 2, 4, 8 or 16
+adjacent value heads (:func:`value_heads_per_body`: the fewest that fit the step in one
+wave over the vector cores), one head after another; a several-token kernel's body runs
+one sequence on one value head, its S tokens (up to 16, speculative verification) one
+after another on the state held on chip. Per token and value head, on the vector unit,
+with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
-    kv    = S^T k,   sq = S^T q             two matvecs of the state before the token,
-                                            (S * k[:, None]).sum(0)             [1, V]
-    u     = beta (v - d kv)
-    o     = d sq + (q . k) u                = S'^T q
-    S'    = d S + k u^T                     the decayed state plus the rank-1 update
+    kv = (d S)^T k,   u = beta v - beta kv,   o = (d S)^T q + (q . k) u,   S' = d S + k u^T
 
 (q scaled after its norm), and the state after the token is stored to the pool row its
-sequence names for that token. Both matvecs read the state the token starts from, so they
-do not wait for the update, and the update is the state's only other pass. Rows are read
-and written in place through the row tables; a row of -1 reads as a zero state and is
-never written (a symbolic ``if`` on the table entry).
+sequence names for that token. Rows are read and written in place through the row tables;
+a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
+entries: four paths in a one-token kernel, 2^S in a several-token one unless it stores
+every token).
 
-What the cost model charges (bench/RESULTS.md has the figures): pypto splits a body into
-a task per dependency chain and per state tile (about ten dependent vector tasks per
-pair and token, each waiting 5-9k cycles for the scheduler), and submits ten bodies at a
-time by default. So the kernel compiles each body into one vector task
-(``pg_skip_partition``) and submits up to :data:`STITCH_BODIES` bodies at once. Within a
-task, every copy between memory and the unified buffer costs about 1,400 cycles
-whatever its size (32 KiB: 1,750), one after another on the task's copy-in pipe, which
-bounds the task. Hence: each input read straight from memory where it is used (a view of
-an on-chip tensor is a round trip through memory: the decays are read per head rather
-than as one row of the group), the row table two-dimensional (its ``[1, 1]`` view needs
-no reshape, another round trip), and the state tiles at 64 rows (32-row tiles double the
-copies; 128-row fp32 tiles fail in the cost model). The state is held as separate
-64-row blocks: a column sum over the whole ``[K, V]`` is a pairwise reduction across its
-tiles, an order of magnitude dearer on the vector pipe than the blocks' own sums added.
-A 2-byte pool row (bf16, fp16) is read whole, ``[K, V]`` in one copy (as many bytes as
-one fp32 block: one copy where fp32 needs two), masked in its own dtype and cast to fp32
-block by block (slices of an on-chip tile that match the blocks stay on chip). What is
-left: the copies and, for fp32, a few tiles the unified buffer spills.
+What the cost model charges (bench/RESULTS.md has the figures): a copy between memory and
+the unified buffer costs ~1,400 cycles whatever its size (64 KiB: 2,090), one after
+another on the task's copy-in pipe; a view of a copied-in input read by several ops is
+copied in once per op; the scheduler adds ~5.8k cycles between a core's tasks. Hence:
+every small input is one copy for all the heads of a body (one-token: q, k ``[T * H, K]``
+and v ``[T * HV, V]``, whose heads are adjacent rows; g, beta a row of the body's heads)
+or for all the tokens of a sequence (several-token: ``[T, H * K]`` views), and the
+per-head or per-token rows are views of computed tiles (on chip); the fp32 row of a
+one-token kernel is one 64 KiB copy (K <= 128) multiplied by ``d`` once, the others read
+64-row blocks (a 128-row tile fails in the cost model at S = 16 and in the cast of a
+2-byte row). The state is held as 64-row blocks whose column sums are taken apart and
+added (a sum over the whole ``[K, V]`` is a pairwise reduction across its tiles). What is
+left: seven vector passes over the state per token and head, and, for fp32 bodies of
+several heads, the rows the unified buffer spills (all of a body's rows are copied in at
+its start).
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -46,9 +38,11 @@ Kernel arguments, in order (every tensor two-dimensional or one-dimensional, con
 name            shape                         meaning
 ==============  ============================  ============================================
 q, k            ``[B * S, H * K]`` in_dtype   queries, keys; token j of sequence n in row
-                                              ``n * S + j``
+                                              ``n * S + j`` (one-token kernels: ``[B * H,
+                                              K]``, head h of sequence n in row n * H + h)
 v               ``[B * S, HV * V]`` in_dtype  values (value head h reads q/k head
-                                              ``h // (HV // H)``)
+                                              ``h // (HV // H)``; one-token kernels:
+                                              ``[B * HV, V]``)
 g, beta         ``[B * S, HV]`` fp32          log decay, write strength (raw where the
                                               kernel applies fla's activations, below)
 gate_params     ``[2, HV]`` fp32              only with ``gate_in_kernel``: ``A_log`` in row
@@ -69,16 +63,17 @@ pool_out        as pool                       the same storage as ``pool``: the 
 With ``gate_in_kernel`` the kernel reads g as the raw gate ``a`` and takes the log decay
 as ``-exp(A_log[h]) * softplus(a + dt_bias[h])`` (softplus(x) = x above 20, the threshold
 of torch and fla, else ``log1p(exp(x))``); ``-exp(A_log)`` and ``dt_bias`` are read once
-per body and the raw gate once per token, each as a row over the body's heads (fewer
-copies than a ``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
-sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
+per body and the raw gate with the rest of the body's small inputs (fewer copies than a
+``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and
+takes ``s * sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
 plain one (no ``gate_params`` argument).
 
 The batch B is not built into the kernel: every tensor's first dimension is dynamic and
 the body loop runs ``bodies[0]`` times (in the cost model a loop bound read from a tensor
-costs the same cycles as a constant one: 22,308 / 91,769 at B = 1 / 8, H16/HV32). The kernel
-is specialised on S (the host pads S to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`)
-and on the value heads per body, so a configuration has at most 16 decode kernels.
+costs the same cycles as a constant one). The kernel is specialised on S (the host pads S
+to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`) and on the value heads per
+body (five shapes at one token, one above), so a configuration has at most 12 decode
+kernels.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.

@@ -26,35 +26,54 @@ void unit_lower_inverse_any(const float* gram, const float* beta, float* inv, in
   }
 }
 
-// The same for C = 16 * NV, each row accumulated in NV registers of 16 floats: T_s is zero
-// after column s, so only its first s / 16 + 1 vectors are read.
+#if defined(__AVX2__)
+// The same for C = 8 * NV, each row accumulated in NV AVX registers: T_s is zero after
+// column s, so only its first s / 8 + 1 vectors are read. (GCC's generic 64-byte vectors
+// spilled through memory on AVX2 here: a fifth of the forward.)
 template <int NV>
-void unit_lower_inverse(const float* gram, const float* beta, float* inv, int64_t C) {
-  typedef float vec16 __attribute__((vector_size(64)));
+void unit_lower_inverse(const float* gram, const float* beta, float* inv) {
+  constexpr int64_t C = 8 * NV;
   for (int64_t r = 0; r < C; ++r) {
-    vec16 acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+    __m256 acc[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
     const float br = beta[r];
-    const float* gr = gram + r * C;
     if (br != 0.0f) {
+      const float* gr = gram + r * C;
       for (int64_t s = 0; s < r; ++s) {
         const float a = br * gr[s];
         if (a == 0.0f) continue;
+        const __m256 av = _mm256_set1_ps(a);
         const float* ts = inv + s * C;
-        const int64_t used = s / 16;
-        for (int v = 0; v < NV; ++v) {
-          if (v > used) break;
-          vec16 x;
-          std::memcpy(&x, ts + 16 * v, sizeof(x));
-          acc[v] -= a * x;
-        }
+        const int used = static_cast<int>(s >> 3);
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v)
+          if (v <= used) acc[v] = _mm256_fnmadd_ps(av, _mm256_loadu_ps(ts + 8 * v), acc[v]);
       }
     }
     float* row = inv + r * C;
-    for (int v = 0; v < NV; ++v) std::memcpy(row + 16 * v, &acc[v], sizeof(vec16));
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(row + 8 * v, acc[v]);
     row[r] = 1.0f;
   }
 }
+
+// T for any C: the vector kernel where C is a multiple of 8 up to 128.
+void unit_lower_inverse_dispatch(const float* gram, const float* beta, float* inv, int64_t C) {
+  switch (C) {
+    case 8: return unit_lower_inverse<1>(gram, beta, inv);
+    case 16: return unit_lower_inverse<2>(gram, beta, inv);
+    case 32: return unit_lower_inverse<4>(gram, beta, inv);
+    case 64: return unit_lower_inverse<8>(gram, beta, inv);
+    case 128: return unit_lower_inverse<16>(gram, beta, inv);
+    default: return unit_lower_inverse_any(gram, beta, inv, C);
+  }
+}
+#else
+void unit_lower_inverse_dispatch(const float* gram, const float* beta, float* inv, int64_t C) {
+  unit_lower_inverse_any(gram, beta, inv, C);
+}
+#endif
 
 }  // namespace
 
@@ -82,17 +101,7 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
     }
   }
   // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
-  if (C % 16 == 0 && C <= 128) {
-    switch (C / 16) {
-      case 1: unit_lower_inverse<1>(gram, t.beta, inv, C); break;
-      case 2: unit_lower_inverse<2>(gram, t.beta, inv, C); break;
-      case 4: unit_lower_inverse<4>(gram, t.beta, inv, C); break;
-      case 8: unit_lower_inverse<8>(gram, t.beta, inv, C); break;
-      default: unit_lower_inverse_any(gram, t.beta, inv, C);
-    }
-  } else {
-    unit_lower_inverse_any(gram, t.beta, inv, C);
-  }
+  unit_lower_inverse_dispatch(gram, t.beta, inv, C);
   // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
   for (int64_t r = 0; r < C; ++r) {
     const float* ti = inv + r * C;

@@ -430,6 +430,12 @@ inline void tile_decays(Tile& t) {
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
                 float* tb, float* u, float* w, float w_alpha);
 
+// C[M, N] = alpha op(A) B + beta C for the chunk products (forward.cpp): op(A) = A^T with
+// trans_a (A [kd, M] then, row stride lda); the AVX2 micro-kernels of microgemm.h where the
+// CPU has them, else the BLAS.
+void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 // Bytes of per-chunk intermediates a segment may hold between its stages: small enough to
 // stay in the last-level cache of a small machine, large enough to give every thread work.
 constexpr int64_t kForwardBudget = int64_t(4) << 20;

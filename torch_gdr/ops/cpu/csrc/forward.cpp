@@ -2,8 +2,19 @@
 // value head) for the whole intra-chunk part, then one over (sequence, value head) for the
 // state scan, which also writes the outputs (each state stays in the thread's cache).
 #include "common.h"
+#include "microgemm.h"
 
 namespace gdr {
+
+// C[M, N] = alpha op(A) B + beta C, op(A) = A^T with trans_a (A [kd, M] then): the
+// micro-kernels where the CPU has them (microgemm.h), else the BLAS.
+void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (micro::kEnabled)
+    micro::gemm_nn(m, n, kd, alpha, a, trans_a ? 1 : lda, trans_a ? lda : 1, b, ldb, beta, c, ldc);
+  else
+    gemm(trans_a, false, m, n, kd, alpha, a, lda, b, ldb, beta, c, ldc);
+}
 
 namespace {
 
@@ -109,13 +120,13 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] = ti[s] * t.beta[s];
   }
-  gemm(false, false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V);
+  gemm_small(false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V);
   for (int64_t r = 0; r < C; ++r) {
     float* o = tb + r * C;
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] *= t.gexp[s];
   }
-  gemm(false, false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
+  gemm_small(false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
 }
 
 namespace {
@@ -182,19 +193,19 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
     if (with_query) {
       // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
-      std::memset(it.ou(), 0, sizeof(float) * C * V);
-      gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
-      gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+      gemm_small(false, C, V, K, 1.0f, it.qw(), K, state, V, 0.0f, it.ou(), V);
+      gemm_small(false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+      gemm_small(false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
       float* out = it.ou();
       const float nan = std::numeric_limits<float>::quiet_NaN();
       for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
       const int64_t t0 = p.bos[n] + c * C;
       for (int64_t r = 0; r < rows; ++r) stream_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
     } else {
-      gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+      gemm_small(false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
     }
     // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
-    gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
+    gemm_small(true, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
     if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
   };
 

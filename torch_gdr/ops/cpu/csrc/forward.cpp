@@ -6,12 +6,11 @@
 
 namespace gdr {
 
-// C[M, N] = alpha op(A) B + beta C, op(A) = A^T with trans_a (A [kd, M] then): the
-// micro-kernels where the CPU has them (microgemm.h), else the BLAS.
 void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
-                const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc, bool a_lower) {
   if (micro::kEnabled)
-    micro::gemm_nn(m, n, kd, alpha, a, trans_a ? 1 : lda, trans_a ? lda : 1, b, ldb, beta, c, ldc);
+    micro::gemm_nn(m, n, kd, alpha, a, trans_a ? 1 : lda, trans_a ? lda : 1, b, ldb, beta, c, ldc, nullptr,
+                   a_lower ? micro::Tri::ALower : micro::Tri::None);
   else
     gemm(trans_a, false, m, n, kd, alpha, a, lda, b, ldb, beta, c, ldc);
 }
@@ -92,11 +91,20 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
                 float* tb, float* u, float* w, float w_alpha) {
   const int64_t C = t.C, K = t.K, V = t.V;
   const float* gam = t.gam;
-  // [Q; K] K^T in one GEMM (only the key rows without the query).
-  if (with_query)
+  // Q K^T and K K^T (only the key rows without the query), on and below the diagonal: the
+  // micro-kernels read K^T, transposed once into the thread's buffer.
+  if (micro::kEnabled) {
+    float* kt = thread_workspace(kTranspose, K * C);
+    const float* key = t.key();
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t j = 0; j < K; ++j) kt[j * C + r] = key[r * K + j];
+    if (with_query) micro::gemm_nn(C, C, K, 1.0f, t.qk, K, 1, kt, C, 0.0f, sim, C, nullptr, micro::Tri::CLower);
+    micro::gemm_nn(C, C, K, 1.0f, key, K, 1, kt, C, 0.0f, sim + C * C, C, nullptr, micro::Tri::CLower);
+  } else if (with_query) {
     gemm(false, true, 2 * C, C, K, 1.0f, t.qk, K, t.key(), K, 0.0f, sim, C);
-  else
+  } else {
     gemm(false, true, C, C, K, 1.0f, t.key(), K, t.key(), K, 0.0f, sim + C * C, C);
+  }
   // Masks by selection, never by multiplying with 0 (0 * inf is NaN).
   for (int64_t r = 0; r < C; ++r) {
     const float* kk = sim + (C + r) * C;
@@ -120,13 +128,13 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] = ti[s] * t.beta[s];
   }
-  gemm_small(false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V);
+  gemm_small(false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V, true);
   for (int64_t r = 0; r < C; ++r) {
     float* o = tb + r * C;
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] *= t.gexp[s];
   }
-  gemm_small(false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
+  gemm_small(false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K, true);
 }
 
 namespace {
@@ -195,7 +203,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
       // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
       gemm_small(false, C, V, K, 1.0f, it.qw(), K, state, V, 0.0f, it.ou(), V);
       gemm_small(false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
-      gemm_small(false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+      gemm_small(false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V, true);
       float* out = it.ou();
       const float nan = std::numeric_limits<float>::quiet_NaN();
       for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);

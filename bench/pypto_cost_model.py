@@ -360,9 +360,11 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, w.dtype)
     rows_total = n * s
-    q = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
-    k = torch.randn(rows_total, w.heads * w.head_k_dim, generator=gen).to(dtype)
-    v = torch.randn(rows_total, w.v_heads * w.head_v_dim, generator=gen).to(dtype)
+    # one-token kernels read q, k as [T * H, K] and v as [T * HV, V]; others [T, H * K], [T, HV * V]
+    q_row, v_row = (w.head_k_dim, w.head_v_dim) if s == 1 else (w.heads * w.head_k_dim, w.v_heads * w.head_v_dim)
+    q = torch.randn(rows_total * w.heads * w.head_k_dim // q_row, q_row, generator=gen).to(dtype)
+    k = torch.randn(rows_total * w.heads * w.head_k_dim // q_row, q_row, generator=gen).to(dtype)
+    v = torch.randn(rows_total * w.v_heads * w.head_v_dim // v_row, v_row, generator=gen).to(dtype)
     g = F.logsigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
     beta = torch.sigmoid(torch.randn(rows_total, w.v_heads, generator=gen))
     gate_params = []
@@ -374,7 +376,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     write_rows = rows.flatten().int().contiguous()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
-    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads)
+    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads, s)
     kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,

@@ -12,6 +12,7 @@ outside the written rows is unchanged. The interpreter is slow: default cases ar
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from typing import Iterator, Optional
 
@@ -251,11 +252,15 @@ def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
         kernel_cache.decode_cache_clear()
 
 
-def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A serving loop over every S in 1..16 and batches from 1 to 256 (a spread of sizes)
+@pytest.mark.parametrize("h, hv, batches", [(1, 2, (1, 3, 24, 25, 100, 256)),
+                                             (16, 32, (1, 2, 3, 4, 6, 8, 17))])
+def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(h: int, hv: int, batches: tuple[int, ...],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving loop over every S in 1..16 and batches from 1 to 256 (a spread of sizes:
+    at H16/HV32 every task shape of the one-token kernel, 1 to 16 value heads a body)
     builds at most 16 decode kernels for one configuration, each for an S at least the
     step's: the keys of cache_info() counted. The kernels are stubs (nothing is built or
-    run: the cache's builder and the launch replaced) so the loop takes a second."""
+    run: the cache's builder and the launch replaced) so the loop takes seconds."""
     from torch_gdr.ops.pypto import decode
 
     built: list[dict] = []
@@ -274,12 +279,12 @@ def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(monkeypat
     monkeypatch.setattr(decode.interpreter, "launch", lambda kernel, args, outputs: None)
     kernel_cache.decode_cache_clear()
     try:
-        h, hv, d = 1, 2, 64
+        d = 64
         pool = torch.zeros(2, hv, d, d)
-        for batch in (1, 3, 24, 25, 100, 256):  # both task shapes (B * HV <= 48 and above)
+        for batch in batches:  # every task shape (B * HV <= 48 and above)
             for width in range(1, 17):
-                q = torch.randn(batch, width, h, d)
-                k, v = torch.randn(batch, width, h, d), torch.randn(batch, width, hv, d)
+                q = torch.zeros(batch, width, h, d)
+                k, v = torch.zeros(batch, width, h, d), torch.zeros(batch, width, hv, d)
                 g, beta = -torch.rand(batch, width, hv), torch.rand(batch, width, hv)
                 idx = torch.full((batch, width), -1, dtype=torch.int32)  # rows play no part in the key
                 with torch.no_grad():
@@ -288,6 +293,8 @@ def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(monkeypat
                 assert width <= served[-1] <= width + width // 3
         info = torch_gdr.ops.pypto.cache_info().decode
         assert len(info.keys) == info.misses == len(built) <= 16
+        if hv == 32:  # the one-token kernel's task shapes all met
+            assert sorted({c["heads_per_body"] for c in built if c["tokens_per_seq"] == 1}) == [1, 2, 4, 8, 16]
     finally:
         kernel_cache.decode_cache_clear()
 
@@ -367,20 +374,45 @@ def test_bucketed_cache_reuses_one_kernel_for_two_batch_sizes() -> None:
         kernel_cache.decode_cache_clear()
 
 
-@pytest.mark.slow
-def test_value_heads_grouped_in_one_body(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Large batches run all the value heads of a key head in one loop body (one vector
-    task); forced here at a tiny size: two key heads of two value heads each, a
-    speculative step with acceptance, a -1 slot and a -1 start row."""
+@pytest.mark.parametrize("cores, heads_per_body", [(0, 4), (8, 2)])
+def test_one_token_bodies_of_several_value_heads_on_every_row_path(cores: int, heads_per_body: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-token step whose loop bodies run several value heads, one after another (all
+    four of two key heads, or a key head's two: forced at a tiny size), on the four paths
+    of the kernel's branches: a row read and one written, a zero start (-1) written, a row
+    read and nothing written (-1), neither. Row 0 holds NaN (-1 must not read it); against
+    the float64 recurrence; rows outside the written ones bit for bit."""
     from torch_gdr.ops.pypto import kernel_decode
 
-    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
-    assert kernel_decode.value_heads_per_body(2, 2, 4) == 2
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", cores)
+    assert kernel_decode.value_heads_per_body(4, 2, 4) == heads_per_body
+    h, hv, dk, dv, slots = 2, 4, 64, 64, 12
+    x = make_inputs(seqlens=[1] * 4, num_qk_heads=h, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                    dtype=torch.float32, seed=11)
+    x.pop("cu_seqlens")
+    x = {f: x[f].reshape(4, 1, *x[f].shape[2:]) for f in FIELDS}
+    pool, _ = make_pool(slots, hv, dk, dv, seed=12)
+    pool[0] = float("nan")
+    before = pool.clone()
+    writes, starts = [3, 6, -1, -1], [5, -1, 7, -1]
     kernel_cache.decode_cache_clear()
     try:
-        run_case([2, 2], 2, [2, 1], heads=(2, 4), rows=[[4, 6], [-1, 9]], nan_rows=(0,), seed=3)
+        with torch.no_grad():
+            o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+                *(x[f] for f in FIELDS[:4]), beta=x["beta"], initial_state=pool,
+                ssm_state_indices=torch.tensor(writes), initial_state_indices=torch.tensor(starts),
+                use_qk_l2norm_in_kernel=True, backend="pypto")
+        assert [key.heads_per_body for key in torch_gdr.ops.pypto.cache_info().decode.keys] == [heads_per_body]
     finally:
         kernel_cache.decode_cache_clear()
+    for n in range(4):
+        state = torch.zeros(hv, dk, dv, dtype=torch.float64) if starts[n] < 0 else before[starts[n]].double()
+        outs, states = reference_tokens(x, [n], state, None, True)
+        assert_within_tolerance(f"o[{n}]", o[n, 0].double(), outs[0])
+        if writes[n] >= 0:
+            assert_within_tolerance(f"row {writes[n]}", pool[writes[n]].double(), states[0])
+    untouched = [r for r in range(slots) if r not in (3, 6)]
+    assert torch.equal(pool[untouched].view(torch.int32), before[untouched].view(torch.int32))
 
 
 @pytest.mark.slow
@@ -519,3 +551,58 @@ def test_pool_step_op_passes_opcheck() -> None:
     idx = torch.tensor([2, -1], dtype=torch.int32)
     torch.library.opcheck(torch.ops.gdr._pypto_pool_step.default,
                           (q, k, v, g, beta, pool, idx, None, None, None, True, False, True))
+
+
+def _matrix_case(dim: int, batch: int, width: int, pool_dtype: torch.dtype) -> None:
+    """One cell of the interpreter matrix: H2/HV4, K = V = ``dim``, ``batch`` sequences of
+    ``width`` tokens (acceptance counts running over 1..S, the last sequence shorter), -1
+    slots (never written), a -1 start row, a NaN row nobody reads."""
+    gen = random.Random(dim * 1000 + batch * 100 + width)
+    slots = batch * width + 3
+    picks = gen.sample(range(1, slots), batch * width)  # row 0 holds NaN
+    rows = [picks[n * width:(n + 1) * width] for n in range(batch)]
+    accepted = [1 + (n * 5 + 2) % width for n in range(batch)] if width > 1 else None
+    lens = [width] * batch
+    if width > 1:
+        lens[-1] = max(1, width - 2)
+        for n in range(batch):  # a -1 slot, not the one the sequence starts from
+            if (accepted[n] + n) % width != accepted[n] - 1:
+                rows[n][(accepted[n] + n) % width] = -1
+    start = accepted[-1] - 1 if accepted else 0
+    rows[-1][start] = -1  # the last sequence starts from zeros
+    run_case(lens, width if width > 1 else None, accepted, heads=(2, 4), dk=dim, dv=dim, rows=rows,
+             pool_dtype=pool_dtype, nan_rows=(0,), slots=slots, seed=dim + batch + width)
+
+
+_MATRIX = [(dim, batch, width, dtype) for dim in (64, 128, 256) for batch in (1, 3, 8) for width in (1, 4, 16)
+           for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+#: The matrix cells run by default (one per pool dtype, each S, the three head dims, batches 1 and 3).
+_MATRIX_DEFAULT = {(64, 3, 1, torch.float32), (64, 1, 4, torch.bfloat16), (64, 3, 16, torch.float16),
+                   (128, 1, 1, torch.float16), (256, 1, 1, torch.bfloat16)}
+
+
+#: The cells that take minutes each in the interpreter on a 2-core machine (K = 256 with 16
+#: tokens): run only with TORCH_GDR_FULL_MATRIX=1, so that the slow suite fits CI's time.
+_MATRIX_LONG = {cell for cell in _MATRIX if cell[0] == 256 and cell[2] == 16}
+_FULL_MATRIX = os.environ.get("TORCH_GDR_FULL_MATRIX") == "1"
+
+
+def _matrix_marks(cell: tuple) -> tuple:
+    if cell in _MATRIX_DEFAULT:
+        return ()
+    if cell in _MATRIX_LONG:
+        return (pytest.mark.slow, pytest.mark.skipif(not _FULL_MATRIX, reason="K = 256, S = 16: minutes per cell "
+                                                     "in the interpreter; set TORCH_GDR_FULL_MATRIX=1"))
+    return (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize("dim, batch, width, pool_dtype", [
+    pytest.param(*cell, marks=_matrix_marks(cell)) for cell in _MATRIX],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_interpreter_matrix(dim: int, batch: int, width: int, pool_dtype: torch.dtype) -> None:
+    """Issue 37's interpreter matrix through the public call: H2/HV4, K = V in {64, 128,
+    256}, B in {1, 3, 8}, S in {1, 4, 16}, fp32, bf16 and fp16 pools, acceptance counts,
+    -1 slots and start rows, against the float64 recurrence (fp32 within 1e-3 |ref| + 1e-4,
+    half pools within fla's rmse ratio 0.005 against a reference rounded at the same
+    stores); rows other than the written ones bit for bit."""
+    _matrix_case(dim, batch, width, pool_dtype)

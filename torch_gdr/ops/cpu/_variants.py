@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 
 #: The translation units of the extension, and the headers they include (under ``csrc/``).
 SOURCES: tuple[str, ...] = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp", "pool.cpp")
-HEADERS: tuple[str, ...] = ("gdr_cpu.h", "common.h", "token_block.h", "fp8.h")
+HEADERS: tuple[str, ...] = ("gdr_cpu.h", "common.h", "microgemm.h", "token_block.h", "fp8.h")
 
 #: Flags of every variant: optimised, OpenMP, no errno from the math functions (which would
 #: keep ``exp`` out of vectorised loops), no debug information in what ships.

@@ -3,7 +3,8 @@ the semantics: :mod:`torch_gdr._pool`).
 
 One kernel launch per step for the whole batch. The kernel's batch is dynamic (no padding
 of sequences); S is padded to its bucket (:func:`token_bucket`), so a serving loop meets at
-most 16 kernels per configuration (8 token buckets, two task shapes by batch size).
+most 12 kernels per configuration (8 token buckets; up to five task shapes by batch size for
+one token a sequence, one for more).
 Sequences shorter than the speculative width S are padded with tokens whose write rows are
 -1 (their outputs are dropped). The row tables are built with device ops from the index tensors (no host read
 of them here; :func:`torch_gdr._pool.check_pool_args` validates them as the semantics
@@ -58,8 +59,8 @@ def token_bucket(width: int) -> int:
     """The tokens per sequence (S) the kernel for a step of ``width`` tokens a sequence is
     built for: the powers of two and the midpoints between them up to 16 (1, 2, 3, 4, 6, 8,
     12, 16), so padding wastes at most a third of a launch and a configuration meets at
-    most eight token buckets (times two task shapes: at most 16 kernels). The host pads a
-    sequence to its bucket with tokens whose write rows are -1."""
+    most eight token buckets (one token: up to five task shapes; more: one; at most 12
+    kernels). The host pads a sequence to its bucket with tokens whose write rows are -1."""
     from .kernel_decode import MAX_TOKENS_PER_SEQ
 
     if not 1 <= width <= MAX_TOKENS_PER_SEQ:
@@ -236,11 +237,16 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         slots, in_sequence = _token_slots(cu_seqlens, num_seqs, seq_len, kernel_width, device)
         flat = [x.index_select(0, slots) for x in flat]
 
-    def packed(x: Tensor, dtype: torch.dtype) -> Tensor:
-        return x.reshape(num_seqs * kernel_width, -1).to(dtype).contiguous()
+    def packed(x: Tensor, dtype: torch.dtype, row: int) -> Tensor:
+        """``x`` as ``[-1, row]`` in ``dtype``: a view where it already is (the common step)."""
+        return x.reshape(-1, row).to(dtype).contiguous()
 
-    q_in, k_in, v_in = (packed(x, in_dtype) for x in flat[:3])
-    g_in, beta_in = (packed(x, torch.float32) for x in flat[3:])
+    # one-token kernels read q, k as [T * H, K] and v as [T * HV, V] (a body's heads are
+    # adjacent rows), several-token ones [T, H * K], [T, HV * V] (a sequence's tokens are)
+    one_token = kernel_width == 1
+    q_in, k_in = (packed(x, in_dtype, head_k_dim if one_token else num_qk_heads * head_k_dim) for x in flat[:2])
+    v_in = packed(flat[2], in_dtype, head_v_dim if one_token else num_v_heads * head_v_dim)
+    g_in, beta_in = (packed(x, torch.float32, num_v_heads) for x in flat[3:])
 
     # Row tables: where each sequence starts, where each token's state goes (-1: nowhere).
     read_rows = plan.start_rows
@@ -271,7 +277,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         write_rows = slot_of if store_every_token else torch.where(write_rows >= 0, slot_of, write_rows)
     read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
-    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads)
+    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width)
     bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
     gating = gating or Gating()

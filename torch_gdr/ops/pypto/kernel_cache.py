@@ -209,8 +209,9 @@ def _default_decode_builder(**config: Any) -> Any:
 class DecodeKernelKey:
     """Everything a decode-step kernel is specialised on; ``kind`` tells it from other keys.
     The batch is not part of it (the kernel's batch is dynamic); it enters only through
-    ``heads_per_body`` (1 or HV / H), and S as its bucket
-    (:func:`torch_gdr.ops.pypto.decode.token_bucket`): at most 2 x 8 kernels per
+    ``heads_per_body`` (one-token kernels: 1, 2, 4, 8 or 16 value heads a body, at most
+    five; several-token ones: 1), and S as its bucket
+    (:func:`torch_gdr.ops.pypto.decode.token_bucket`): at most 5 + 7 = 12 kernels per
     configuration of heads, head dims and dtypes."""
 
     heads_per_body: int

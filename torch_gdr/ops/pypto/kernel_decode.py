@@ -1,44 +1,36 @@
 """The gated delta rule decode step over a state pool as one PyPTO kernel (pypto 0.2.0).
 
-One launch runs the whole batch. The loop bodies are independent: each owns the state
-rows of one sequence on one value head, or on all the value heads of one key head
-(:func:`value_heads_per_body`: one head per body while every pair gets a vector core of
-its own, so a small batch's latency is one pair's; the group once the bodies queue, so q
-and k are read and normalised once and the scheduler meets half the tasks). Within a
-body the S tokens of the sequence (S = 1 for plain decode, up to 16 for speculative
-verification) run one after another on the state rows held as fp32 blocks of 64 rows. Per
-token and value head, on the vector unit, with ``d = exp(g)``::
+One launch runs the whole batch. The loop bodies are independent, each one vector task
+(``pg_skip_partition``). A one-token kernel's body runs one sequence on 1, 2, 4, 8 or 16
+adjacent value heads (:func:`value_heads_per_body`: the fewest that fit the step in one
+wave over the vector cores), one head after another; a several-token kernel's body runs
+one sequence on one value head, its S tokens (up to 16, speculative verification) one
+after another on the state held on chip. Per token and value head, on the vector unit,
+with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
-    kv    = S^T k,   sq = S^T q             two matvecs of the state before the token,
-                                            (S * k[:, None]).sum(0)             [1, V]
-    u     = beta (v - d kv)
-    o     = d sq + (q . k) u                = S'^T q
-    S'    = d S + k u^T                     the decayed state plus the rank-1 update
+    kv = (d S)^T k,   u = beta v - beta kv,   o = (d S)^T q + (q . k) u,   S' = d S + k u^T
 
 (q scaled after its norm), and the state after the token is stored to the pool row its
-sequence names for that token. Both matvecs read the state the token starts from, so they
-do not wait for the update, and the update is the state's only other pass. Rows are read
-and written in place through the row tables; a row of -1 reads as a zero state and is
-never written (a symbolic ``if`` on the table entry).
+sequence names for that token. Rows are read and written in place through the row tables;
+a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
+entries: four paths in a one-token kernel, 2^S in a several-token one unless it stores
+every token).
 
-What the cost model charges (bench/RESULTS.md has the figures): pypto splits a body into
-a task per dependency chain and per state tile (about ten dependent vector tasks per
-pair and token, each waiting 5-9k cycles for the scheduler), and submits ten bodies at a
-time by default. So the kernel compiles each body into one vector task
-(``pg_skip_partition``) and submits up to :data:`STITCH_BODIES` bodies at once. Within a
-task, every copy between memory and the unified buffer costs about 1,400 cycles
-whatever its size (32 KiB: 1,750), one after another on the task's copy-in pipe, which
-bounds the task. Hence: each input read straight from memory where it is used (a view of
-an on-chip tensor is a round trip through memory: the decays are read per head rather
-than as one row of the group), the row table two-dimensional (its ``[1, 1]`` view needs
-no reshape, another round trip), and the state tiles at 64 rows (32-row tiles double the
-copies; 128-row fp32 tiles fail in the cost model). The state is held as separate
-64-row blocks: a column sum over the whole ``[K, V]`` is a pairwise reduction across its
-tiles, an order of magnitude dearer on the vector pipe than the blocks' own sums added.
-A 2-byte pool row (bf16, fp16) is read whole, ``[K, V]`` in one copy (as many bytes as
-one fp32 block: one copy where fp32 needs two), masked in its own dtype and cast to fp32
-block by block (slices of an on-chip tile that match the blocks stay on chip). What is
-left: the copies and, for fp32, a few tiles the unified buffer spills.
+What the cost model charges (bench/RESULTS.md has the figures): a copy between memory and
+the unified buffer costs ~1,400 cycles whatever its size (64 KiB: 2,090), one after
+another on the task's copy-in pipe; a view of a copied-in input read by several ops is
+copied in once per op; the scheduler adds ~5.8k cycles between a core's tasks. Hence:
+every small input is one copy for all the heads of a body (one-token: q, k ``[T * H, K]``
+and v ``[T * HV, V]``, whose heads are adjacent rows; g, beta a row of the body's heads)
+or for all the tokens of a sequence (several-token: ``[T, H * K]`` views), and the
+per-head or per-token rows are views of computed tiles (on chip); the fp32 row of a
+one-token kernel is one 64 KiB copy (K <= 128) multiplied by ``d`` once, the others read
+64-row blocks (a 128-row tile fails in the cost model at S = 16 and in the cast of a
+2-byte row). The state is held as 64-row blocks whose column sums are taken apart and
+added (a sum over the whole ``[K, V]`` is a pairwise reduction across its tiles). What is
+left: seven vector passes over the state per token and head, and, for fp32 bodies of
+several heads, the rows the unified buffer spills (all of a body's rows are copied in at
+its start).
 
 Kernel arguments, in order (every tensor two-dimensional or one-dimensional, contiguous):
 
@@ -46,9 +38,11 @@ Kernel arguments, in order (every tensor two-dimensional or one-dimensional, con
 name            shape                         meaning
 ==============  ============================  ============================================
 q, k            ``[B * S, H * K]`` in_dtype   queries, keys; token j of sequence n in row
-                                              ``n * S + j``
+                                              ``n * S + j`` (one-token kernels: ``[B * H,
+                                              K]``, head h of sequence n in row n * H + h)
 v               ``[B * S, HV * V]`` in_dtype  values (value head h reads q/k head
-                                              ``h // (HV // H)``)
+                                              ``h // (HV // H)``; one-token kernels:
+                                              ``[B * HV, V]``)
 g, beta         ``[B * S, HV]`` fp32          log decay, write strength (raw where the
                                               kernel applies fla's activations, below)
 gate_params     ``[2, HV]`` fp32              only with ``gate_in_kernel``: ``A_log`` in row
@@ -69,16 +63,17 @@ pool_out        as pool                       the same storage as ``pool``: the 
 With ``gate_in_kernel`` the kernel reads g as the raw gate ``a`` and takes the log decay
 as ``-exp(A_log[h]) * softplus(a + dt_bias[h])`` (softplus(x) = x above 20, the threshold
 of torch and fla, else ``log1p(exp(x))``); ``-exp(A_log)`` and ``dt_bias`` are read once
-per body and the raw gate once per token, each as a row over the body's heads (fewer
-copies than a ``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and takes ``s *
-sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
+per body and the raw gate with the rest of the body's small inputs (fewer copies than a
+``[1, 1]`` view per head). With ``beta_sigmoid_in_kernel`` it reads beta as logits and
+takes ``s * sigmoid(beta)``, ``s = 2`` with ``allow_neg_eigval``. Without either flag the kernel is the
 plain one (no ``gate_params`` argument).
 
 The batch B is not built into the kernel: every tensor's first dimension is dynamic and
 the body loop runs ``bodies[0]`` times (in the cost model a loop bound read from a tensor
-costs the same cycles as a constant one: 22,308 / 91,769 at B = 1 / 8, H16/HV32). The kernel
-is specialised on S (the host pads S to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`)
-and on the value heads per body, so a configuration has at most 16 decode kernels.
+costs the same cycles as a constant one). The kernel is specialised on S (the host pads S
+to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`) and on the value heads per
+body (five shapes at one token, one above), so a configuration has at most 12 decode
+kernels.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -112,16 +107,28 @@ MAX_BRANCHED_TOKENS = 4
 
 #: Vector cores of the simulated device (Ascend 910B, pypto's A2A3 config).
 VECTOR_CORES = 48
+#: Most value heads one loop body of a one-token kernel runs (a task of 16 heads takes
+#: ~100k cycles in the cost model; more would leave cores idle at every batch).
+MAX_HEADS_PER_BODY = 16
 
 
-def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int) -> int:
-    """Value heads one loop body (one vector task) runs: 1 while every (sequence, value
-    head) pair gets a vector core of its own (the step's latency is one pair's), else all
-    the value heads of a key head (q and k read and normalised once; half the tasks at
-    HV = 2H, which the scheduler's cost per task favours)."""
-    if num_seqs * num_v_heads <= VECTOR_CORES:
+def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1) -> int:
+    """Value heads one loop body (one vector task) runs.
+
+    One token a sequence: the fewest heads that let the step's tasks fit one wave over the
+    vector cores (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy
+    per small input, are paid once for all its heads), at most
+    :data:`MAX_HEADS_PER_BODY` and a divisor of HV: 1 while every (sequence, head) pair
+    gets a core (the step's latency is one pair's), then 2, 4, 8, 16 as the batch grows.
+    Several tokens a sequence: one head per body (the body carries its state, one fp32
+    ``[K, V]`` row, from token to token on chip; two would not fit the unified buffer)."""
+    if tokens_per_seq > 1 or num_seqs * num_v_heads <= VECTOR_CORES:
         return 1
-    return num_v_heads // num_qk_heads
+    heads = 1
+    while (heads * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (heads * 2) == 0
+           and num_seqs * num_v_heads > VECTOR_CORES * heads):
+        heads *= 2
+    return heads
 
 
 def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
@@ -131,9 +138,12 @@ def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_head
         raise ValueError(f"head dims K={head_k_dim}, V={head_v_dim}: expected values in {SUPPORTED_HEAD_DIMS}")
     if num_qk_heads <= 0 or num_v_heads % num_qk_heads:
         raise ValueError(f"num_v_heads={num_v_heads} must be a positive multiple of num_qk_heads={num_qk_heads}")
-    if heads_per_body not in (1, num_v_heads // num_qk_heads):
-        raise ValueError(f"heads_per_body: expected 1 or num_v_heads // num_qk_heads = {num_v_heads // num_qk_heads}, "
-                         f"got {heads_per_body}")
+    group = num_v_heads // num_qk_heads
+    if heads_per_body < 1 or num_v_heads % heads_per_body or (heads_per_body > group and heads_per_body % group) or (
+            heads_per_body < group and group % heads_per_body) or (tokens_per_seq > 1 and heads_per_body != 1):
+        raise ValueError(f"heads_per_body: expected a divisor of num_v_heads = {num_v_heads} that divides or is a "
+                         f"multiple of num_v_heads // num_qk_heads = {group} (1 for more than one token a sequence), "
+                         f"got {heads_per_body} with tokens_per_seq = {tokens_per_seq}")
     if not 1 <= tokens_per_seq <= MAX_TOKENS_PER_SEQ:
         raise ValueError(f"tokens_per_seq: expected 1..{MAX_TOKENS_PER_SEQ}, got {tokens_per_seq}")
     if input_dtype not in SUPPORTED_INPUT_DTYPES:
@@ -197,131 +207,196 @@ def build_decode_kernel(
     fp32 = pypto.DT_FP32
     in_dt, pool_dt = _pypto_dtype(input_dtype), _pypto_dtype(pool_dtype)
     group = num_v_heads // num_qk_heads
-    bodies_per_seq = num_v_heads // heads_per_body
+    heads = heads_per_body
+    key_heads = max(1, heads // group)  # key heads of a body's value heads
+    bodies_per_seq = num_v_heads // heads
+    one_token = tokens_per_seq == 1
     num_tokens = pypto.DYNAMIC
     dk, dv = head_k_dim, head_v_dim
     pool_rows = pypto.DYNAMIC
     run_mode = pypto.RunMode.NPU if on_device else pypto.RunMode.SIM
-    state_rows = min(dk, 64)  # vector tile rows of the [K, V] state (64 x 128 fp32: 32 KiB)
+    state_rows = min(dk, 64)  # vector tile rows of the state's blocks (64 x 128 fp32: 32 KiB)
+    # A one-token kernel reads an fp32 row as one tile while it fits 64 KiB (K <= 128); the
+    # others read 64-row blocks: a 128-row tile makes the cost model fail (FFFFFF) in the
+    # several-token kernel at S = 16 (which reads the row once for S tokens anyway) and in
+    # the cast of a 2-byte row.
+    read_rows_tile = dk if one_token and pool_dtype == "float32" and dk * min(dv, 128) * 4 <= 65536 else state_rows
+    small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
 
-    def token_row(src: Any, width: int, col: Any, token: Any) -> Any:
-        """Columns ``[col, col + width)`` of row ``token`` of ``src``, fp32 ``[1, width]``."""
-        x = pypto.view(src, [1, width], [token, col])
-        return x if input_dtype == "float32" else pypto.cast(x, fp32)
+    def fp32_of(x: Any, dtype: str) -> Any:
+        return x if dtype == "float32" else pypto.cast(x, fp32)
 
     def normalised(x: Any) -> Any:
         return x / pypto.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) if use_qk_l2norm else x
 
-    def row_kept(read_rows: Any, seq: Any) -> tuple[Any, Any]:
-        """The pool row sequence ``seq`` starts from (symbolic) and ``[1, V]`` bool:
-        whether it reads one (its row is not -1)."""
-        row_in = read_rows[seq, 0]
-        pypto.set_vec_tile_shapes(1, 128)
-        row_value = pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32)
-        return row_in, pypto.expand_clone(row_value, [1, dv]) >= 0.0
+    def columns(row: Any, width: int) -> Any:
+        """``[1, heads]`` -> ``[heads, width]``: entry h of the row along row h."""
+        pypto.set_vec_tile_shapes(8, 8)
+        col = pypto.transpose(row, 0, 1)
+        pypto.set_vec_tile_shapes(small_rows, 128)
+        return pypto.expand_clone(col, [heads, width])
 
-    def start_state(pool: Any, row_in: Any, keep: Any, head: Any) -> list:
-        """The state a sequence starts from on value head ``head``, as its row blocks (fp32
-        ``[state_rows, V]`` each, K / state_rows of them): its pool row ``row_in``, or zeros
-        where ``keep`` ``[1, V]`` is false (row -1: row 0 is read in its place and masked
-        out, so a row holding NaN or inf never leaks)."""
-        first_row = (pypto.max(row_in, 0) * num_v_heads + head) * dk
-        if pool_dtype == "float32":
-            pypto.set_vec_tile_shapes(state_rows, 128)
-            return [pypto.where(keep, pypto.view(pool, [state_rows, dv], [first_row + r, 0]), 0.0)
-                    for r in range(0, dk, state_rows)]
-        # a 2-byte row: one copy of the whole [K, V] row (one tile), cast per block
-        pypto.set_vec_tile_shapes(dk, 128)
-        stored = pypto.where(keep, pypto.view(pool, [dk, dv], [first_row, 0]), 0.0)
+    def activations(g_raw: Any, beta_raw: Any, gates: Optional[tuple[Any, Any]]) -> tuple[Any, Any]:
+        """exp(g) and beta as the kernel uses them, tiles of the raw inputs' shape."""
+        g_log = g_raw if gates is None else kernel_gating.log_decay(g_raw, *gates)
+        beta_t = kernel_gating.activated_beta(beta_raw, allow_neg_eigval) if beta_sigmoid_in_kernel else beta_raw
+        return pypto.exp(g_log), beta_t
+
+    def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
+        """``(-exp(A_log), dt_bias)`` of the body's value heads, fp32 ``[1, heads]``."""
+        pypto.set_vec_tile_shapes(8, 8)
+        rate = kernel_gating.gate_rate(pypto.view(gate_params, [1, heads], [0, first_head]))
+        return rate, pypto.view(gate_params, [1, heads], [1, first_head])
+
+    def one_token_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, first_head: Any,
+                         gates: Optional[tuple[Any, Any]]) -> list:
+        """A one-token body's inputs per value head ``h``: ``(q, k [1, K], exp(g), beta,
+        beta v, q . k as [1, V] rows)``. One copy per input for all the body's heads (q and
+        k ``[T * H, K]``, v ``[T * HV, V]``: a body's heads are adjacent rows; g and beta a
+        row of ``[T, HV]``); the per-head rows are views of computed tiles (on chip)."""
+        key_row = seq * num_qk_heads + first_head // group
+        pypto.set_vec_tile_shapes(small_rows, 128)
+        q_rows = normalised(fp32_of(pypto.view(q, [key_heads, dk], [key_row, 0]), input_dtype)) * scale
+        k_rows = normalised(fp32_of(pypto.view(k, [key_heads, dk], [key_row, 0]), input_dtype))
+        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv])
+        v_rows = fp32_of(pypto.view(v, [heads, dv], [seq * num_v_heads + first_head, 0]), input_dtype)
+        pypto.set_vec_tile_shapes(8, 8)
+        decay_row, beta_row = activations(pypto.view(g, [1, heads], [seq, first_head]),
+                                          pypto.view(beta, [1, heads], [seq, first_head]), gates)
+        decay, beta_cols = columns(decay_row, dv), columns(beta_row, dv)
+        beta_v = v_rows * beta_cols
+        out = []
+        for h in range(heads):
+            kh = h // group if heads >= group else 0
+            pypto.set_vec_tile_shapes(1, 128)
+            out.append(tuple(pypto.view(x, [1, width], [row, 0]) for x, width, row in (
+                (q_rows, dk, kh), (k_rows, dk, kh), (decay, dv, h), (beta_cols, dv, h), (beta_v, dv, h), (qk, dv, kh))))
+        return [out]
+
+    def sequence_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, head: Any,
+                        gates: Optional[tuple[Any, Any]]) -> list:
+        """A several-token body's inputs (one value head), per token as
+        :func:`one_token_inputs`: one copy per input for all S tokens (q and k ``[T, H *
+        K]``, v ``[T, HV * V]``: the sequence's tokens are adjacent rows), rows of computed
+        tiles per token."""
+        first = seq * tokens_per_seq
+        pypto.set_vec_tile_shapes(small_rows, 128)
+        q_rows = normalised(fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]),
+                                    input_dtype)) * scale
+        k_rows = normalised(fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype))
+        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [tokens_per_seq, dv])
+        v_rows = fp32_of(pypto.view(v, [tokens_per_seq, dv], [first, head * dv]), input_dtype)
+        pypto.set_vec_tile_shapes(small_rows, 8)
+        g_col = pypto.view(g, [tokens_per_seq, 1], [first, head])
+        beta_col = pypto.view(beta, [tokens_per_seq, 1], [first, head])
+        if gates is not None:
+            gates = tuple(pypto.expand_clone(x, [tokens_per_seq, 1]) for x in gates)
+        decay_col, beta_col = activations(g_col, beta_col, gates)
+        pypto.set_vec_tile_shapes(small_rows, 128)
+        decay = pypto.expand_clone(decay_col, [tokens_per_seq, dv])
+        beta_cols = pypto.expand_clone(beta_col, [tokens_per_seq, dv])
+        beta_v = v_rows * beta_cols
+        out = []
+        for j in range(tokens_per_seq):
+            pypto.set_vec_tile_shapes(1, 128)
+            out.append([tuple(pypto.view(x, [1, width], [j, 0]) for x, width in (
+                (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv), (qk, dv)))])
+        return out
+
+    def decayed_row(pool: Any, first_row: Any, decay: Any, keep: Any = None) -> list:
+        """The pool row starting at ``first_row`` times exp(g) ``[1, V]``, as fp32 blocks
+        ``[state_rows, V]``: one copy of the row (K <= 128) multiplied once, so the copy
+        has one consumer (a view read by several ops is copied in once per op).
+        ``keep`` ``[1, V]`` bool: zeros where false (the row read in its place masked out)."""
+        pypto.set_vec_tile_shapes(read_rows_tile, 128)
+        row = pypto.view(pool, [dk, dv], [first_row, 0])
+        if keep is not None:
+            row = pypto.where(keep, row, 0.0)
+        row = fp32_of(row, pool_dtype) * decay
         pypto.set_vec_tile_shapes(state_rows, 128)
-        return [pypto.cast(pypto.view(stored, [state_rows, dv], [r, 0]), fp32) for r in range(0, dk, state_rows)]
+        return [pypto.view(row, [state_rows, dv], [r, 0]) for r in range(0, dk, state_rows)]
 
-    def token_step(state: list, q_t: Any, k_t: Any, v_t: Any, decay: Any, beta_t: Any, qk: Any) -> tuple[list, Any]:
-        """One token on one value head: the state after it (row blocks, as
-        :func:`start_state`) and the output ``[1, V]``, from the state before it, q and k
-        ``[1, K]``, v ``[1, V]``, exp(g) and q . k as ``[1, V]`` rows and beta ``[1, 1]``.
+    def head_token(state: Optional[list], inputs: tuple, o: Any, o_row: Any, o_col: Any) -> list:
+        """One token on one value head: writes the output ``[1, V]`` at ``o[o_row, o_col:]``,
+        returns the state after it (fp32 blocks). ``state``: the state before it already
+        times exp(g) (:func:`decayed_row`, or the previous state times the decay), None
+        for a zero state. With ``d = exp(g)``::
+
+            kv = (d S)^T k,  u = beta v - beta kv,  o = (d S)^T q + (q . k) u,  S' = d S + k u^T
+
         Each block's column sums are taken apart and added (a sum over the whole ``[K, V]``
-        costs a pairwise reduction across the tiles)."""
+        is a pairwise reduction across its tiles)."""
+        q_t, k_t, _, beta_t, beta_v, qk = inputs
         pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
-        q_col = pypto.transpose(q_t, 0, 1)
+        k_col, q_col = pypto.transpose(k_t, 0, 1), pypto.transpose(q_t, 0, 1)  # [K, 1]
         k_blocks = [pypto.view(k_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
         q_blocks = [pypto.view(q_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
         kv = sq = None
-        for block, k_b, q_b in zip(state, k_blocks, q_blocks):
-            kv_b = (block * k_b).sum(0, keepdim=True)  # S^T k before the decay
-            sq_b = (block * q_b).sum(0, keepdim=True)  # S^T q
+        for block, k_b, q_b in zip(state or [], k_blocks, q_blocks):
+            kv_b = (block * k_b).sum(0, keepdim=True)
+            sq_b = (block * q_b).sum(0, keepdim=True)
             kv = kv_b if kv is None else kv + kv_b
             sq = sq_b if sq is None else sq + sq_b
         pypto.set_vec_tile_shapes(1, 128)
-        u = (v_t - kv * decay) * beta_t
-        o_t = sq * decay + u * qk  # (decayed S + k u^T)^T q
+        u = beta_v if state is None else beta_v - kv * beta_t
+        o_t = u * qk if state is None else sq + u * qk
+        pypto.assemble(o_t, [o_row, o_col], o)
         pypto.set_vec_tile_shapes(state_rows, 128)
-        state = [block * decay + pypto.expand_clone(k_b, [state_rows, dv]) * u for block, k_b in zip(state, k_blocks)]
-        return state, o_t
+        update = [pypto.expand_clone(k_b, [state_rows, dv]) * u for k_b in k_blocks]
+        return update if state is None else [block + up for block, up in zip(state, update)]
 
-    def gate_terms(gate_params: Any, first_head: Any) -> tuple[Any, Any]:
-        """The body's ``(-exp(A_log), dt_bias)`` over its value heads, each fp32 ``[1, heads]``."""
+    def store(pool_out: Any, state: list, first_row: Any) -> None:
+        pypto.set_vec_tile_shapes(state_rows, 128)
+        for r, block in zip(range(0, dk, state_rows), state):
+            pypto.assemble(block if pool_dtype == "float32" else pypto.cast(block, pool_dt),
+                           [first_row + r, 0], pool_out)
+
+    def one_token_body(q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, o: Any, pool_out: Any, seq: Any,
+                       first_head: Any, row_in: Any, row_out: Any, gates: Optional[tuple[Any, Any]] = None) -> None:
+        """One token of sequence ``seq`` on the body's value heads, one head after another
+        (its row read, stepped, stored before the next: the rows do not pile up in the
+        unified buffer). ``row_in``/``row_out``: the rows read and written, None for -1."""
+        per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates)[0]
+        for h in range(heads):
+            head = first_head + h
+            state = None if row_in is None else decayed_row(pool, (row_in * num_v_heads + head) * dk, per_head[h][2])
+            state = head_token(state, per_head[h], o, seq, head * dv)
+            if row_out is not None:
+                store(pool_out, state, (row_out * num_v_heads + head) * dk)
+
+    def sequence_start(read_rows: Any, pool: Any, seq: Any, head: Any, inputs: list) -> list:
+        """The first token's decayed start state (-1 rows: zeros, row 0 read and masked)."""
+        row_in = read_rows[seq, 0]
         pypto.set_vec_tile_shapes(1, 128)
-        rate = kernel_gating.gate_rate(pypto.view(gate_params, [1, heads_per_body], [0, first_head]))
-        return rate, pypto.view(gate_params, [1, heads_per_body], [1, first_head])
+        keep = pypto.expand_clone(pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32), [1, dv]) >= 0.0
+        return decayed_row(pool, (pypto.max(row_in, 0) * num_v_heads + head) * dk, inputs[0][0][2], keep)
 
-    def body_beta(beta_g: Any) -> Any:
-        """Beta ``[1, heads]`` as the kernel uses it: as given, or ``s * sigmoid(logits)``."""
-        return kernel_gating.activated_beta(beta_g, allow_neg_eigval) if beta_sigmoid_in_kernel else beta_g
-
-    def start_states(pool: Any, read_rows: Any, seq: Any, first_head: Any) -> list:
-        """The states sequence ``seq`` starts from on the body's value heads, each fp32 ``[K, V]``."""
-        row_in, keep = row_kept(read_rows, seq)
-        return [start_state(pool, row_in, keep, first_head + h) for h in range(heads_per_body)]
-
-    def body_token_step(q: Any, k: Any, v: Any, g: Any, beta: Any, o: Any, states: list, token: Any,
-                        first_head: Any, gates: Optional[tuple[Any, Any]] = None) -> list:
-        """One token on the body's value heads ``first_head + [0, heads_per_body)`` (one key
-        head's): writes their outputs, returns their states. ``gates``: :func:`gate_terms`
-        of the body where g is the raw gate, else None."""
-        g_g = None
-        qk_head = first_head // group
-        pypto.set_vec_tile_shapes(1, 128)
-        q_t = normalised(token_row(q, dk, qk_head * dk, token)) * scale
-        k_t = normalised(token_row(k, dk, qk_head * dk, token))
-        v_g = token_row(v, heads_per_body * dv, first_head * dv, token)  # [1, heads * V]
-        beta_g = body_beta(pypto.view(beta, [1, heads_per_body], [token, first_head]))
-        qk = pypto.expand_clone((q_t * k_t).sum(-1, keepdim=True), [1, dv])  # q . k
-        if gates is not None:  # the activation on the row of the body's heads: one copy of g
-            g_g = kernel_gating.log_decay(pypto.view(g, [1, heads_per_body], [token, first_head]), *gates)
-        new_states = []
-        for h in range(heads_per_body):
-            pypto.set_vec_tile_shapes(1, 128)
-            g_t = pypto.view(g, [1, 1], [token, first_head + h]) if gates is None else pypto.view(g_g, [1, 1], [0, h])
-            decay = pypto.expand_clone(pypto.exp(g_t), [1, dv])
-            beta_t = pypto.view(beta_g, [1, 1], [0, h])
-            v_t = pypto.view(v_g, [1, dv], [0, h * dv])
-            state, o_t = token_step(states[h], q_t, k_t, v_t, decay, beta_t, qk)
-            new_states.append(state)
-            pypto.set_vec_tile_shapes(1, 128)
-            pypto.assemble(o_t, [token, (first_head + h) * dv], o)
-        return new_states
-
-    def store_states(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
-        for h, state in enumerate(states):
+    def sequence_token(state: list, inputs: list, o: Any, seq: Any, head: Any, j: int) -> list:
+        if j > 0:  # the state times this token's decay
             pypto.set_vec_tile_shapes(state_rows, 128)
-            for r, block in zip(range(0, dk, state_rows), state):
-                stored = block if pool_dtype == "float32" else pypto.cast(block, pool_dt)
-                pypto.assemble(stored, [(row_out * num_v_heads + first_head + h) * dk + r, 0], pool_out)
+            state = [block * inputs[j][0][2] for block in state]
+        return head_token(state, inputs[j][0], o, seq * tokens_per_seq + j, head * dv)
+
+    def sequence_store(pool_out: Any, state: list, row_out: Any, head: Any) -> None:
+        store(pool_out, state, (row_out * num_v_heads + head) * dk)
 
     token_offsets = tuple(range(tokens_per_seq))
     jit = pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
                              pass_options={"pg_skip_partition": True})
+    q_shape = [pypto.DYNAMIC, dk] if one_token else [num_tokens, num_qk_heads * dk]  # rows: T * H or T
+    v_shape = [pypto.DYNAMIC, dv] if one_token else [num_tokens, num_v_heads * dv]
 
     # The pool is passed twice, as the input the rows are read from and the output they are
     # written to (one tensor read and assembled into in one kernel fails to compile in
-    # pypto 0.2.0: F21007); the host passes the same storage for both.
+    # pypto 0.2.0: F21007); the host passes the same storage for both. A branch on a
+    # symbolic value must stand in the kernel's own body: the one-token kernel branches on
+    # the rows read and written (four paths), the several-token one on each token's row
+    # (2^S paths; none with store_every_token).
     @jit
     def gdr_decode_kernel(
-        q: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
-        k: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
-        v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
+        q: pypto.Tensor(q_shape, in_dt),
+        k: pypto.Tensor(q_shape, in_dt),
+        v: pypto.Tensor(v_shape, in_dt),
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
         read_rows: pypto.Tensor([pypto.DYNAMIC, 1], pypto.DT_INT32),
@@ -333,25 +408,38 @@ def build_decode_kernel(
     ):
         for body in pypto.loop(bodies[0], name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = body // bodies_per_seq
-            first_head = (body % bodies_per_seq) * heads_per_body
-            states = start_states(pool, read_rows, seq, first_head)
-            for j in token_offsets:  # unrolled: the states stay on chip from token to token
-                token = seq * tokens_per_seq + j
-                states = body_token_step(q, k, v, g, beta, o, states, token, first_head)
-                row_out = write_rows[token]
-                # (a branch on a symbolic value must stand in the kernel's own body)
-                if store_every_token:
-                    store_states(pool_out, states, row_out, first_head)
-                elif row_out >= 0:
-                    store_states(pool_out, states, row_out, first_head)
+            first_head = (body % bodies_per_seq) * heads
+            if one_token:
+                row_in = read_rows[seq, 0]
+                row_out = write_rows[seq]
+                if row_in >= 0:
+                    if row_out >= 0:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, row_in, row_out)
+                    else:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, row_in, None)
+                else:
+                    if row_out >= 0:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, row_out)
+                    else:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None)
+            else:
+                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, None)
+                state = sequence_start(read_rows, pool, seq, first_head, inputs)
+                for j in token_offsets:  # unrolled: the state stays on chip from token to token
+                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                    row_out = write_rows[seq * tokens_per_seq + j]
+                    if store_every_token:
+                        sequence_store(pool_out, state, row_out, first_head)
+                    elif row_out >= 0:
+                        sequence_store(pool_out, state, row_out, first_head)
 
     # The gated variant: the same body with the raw gate's parameters (a second jit function:
     # pypto reads the signature, and the plain kernel keeps its arguments).
     @jit
     def gdr_decode_gated_kernel(
-        q: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
-        k: pypto.Tensor([num_tokens, num_qk_heads * dk], in_dt),
-        v: pypto.Tensor([num_tokens, num_v_heads * dv], in_dt),
+        q: pypto.Tensor(q_shape, in_dt),
+        k: pypto.Tensor(q_shape, in_dt),
+        v: pypto.Tensor(v_shape, in_dt),
         g: pypto.Tensor([num_tokens, num_v_heads], fp32),
         beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
         gate_params: pypto.Tensor([2, num_v_heads], fp32),
@@ -364,17 +452,30 @@ def build_decode_kernel(
     ):
         for body in pypto.loop(bodies[0], name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
             seq = body // bodies_per_seq
-            first_head = (body % bodies_per_seq) * heads_per_body
+            first_head = (body % bodies_per_seq) * heads
             gates = gate_terms(gate_params, first_head)
-            states = start_states(pool, read_rows, seq, first_head)
-            for j in token_offsets:
-                token = seq * tokens_per_seq + j
-                states = body_token_step(q, k, v, g, beta, o, states, token, first_head, gates)
-                row_out = write_rows[token]
-                if store_every_token:
-                    store_states(pool_out, states, row_out, first_head)
-                elif row_out >= 0:
-                    store_states(pool_out, states, row_out, first_head)
+            if one_token:
+                row_in = read_rows[seq, 0]
+                row_out = write_rows[seq]
+                if row_in >= 0:
+                    if row_out >= 0:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, row_in, row_out, gates)
+                    else:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, row_in, None, gates)
+                else:
+                    if row_out >= 0:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, row_out, gates)
+                    else:
+                        one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None, gates)
+            else:
+                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, gates)
+                state = sequence_start(read_rows, pool, seq, first_head, inputs)
+                for j in token_offsets:
+                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                    row_out = write_rows[seq * tokens_per_seq + j]
+                    if store_every_token:
+                        sequence_store(pool_out, state, row_out, first_head)
+                    elif row_out >= 0:
+                        sequence_store(pool_out, state, row_out, first_head)
 
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel
-

@@ -5,7 +5,7 @@ In the recurrence a non-finite k, v or beta at token t (or a g that is NaN or ``
 the outputs before t stay as they were. The chunked algorithm multiplies whole chunks by
 triangular matrices, and ``0 * nan = nan``: a NaN at token t would reach the outputs of
 the earlier tokens of its chunk too. So a chunked forward checks its outputs
-(:func:`outputs_finite`, one reduction); only where they are not finite does it look for
+(:func:`outputs_finite`, one min-max pass); only where they are not finite does it look for
 such tokens (:func:`find_nonfinite`, a pass over k, v, g and beta), run again on inputs
 with those tokens made inert (:func:`sanitised`: zero k, v and beta, zero g), and mark the
 outputs from the first bad token of each sequence, value head and value column on, and
@@ -27,10 +27,19 @@ from torch_gdr.ops.torch.utils import repeat_kv_heads
 Tensor = torch.Tensor
 
 
+def _all_finite(x: Tensor) -> bool:
+    """Whether every element of ``x`` is finite, from its smallest and largest (a NaN or an
+    inf reaches one of them): one pass in ``x``'s own dtype. (A float32 sum of a half ``o``
+    first made a float32 copy of it, ~12x the time of this pass on the CPU.)"""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def outputs_finite(o: Tensor, final_state: Tensor) -> bool:
-    """Whether ``o`` and ``final_state`` are finite, by one sum each (a false alarm, a sum
-    that overflows, only costs a :func:`find_nonfinite` that finds nothing)."""
-    return bool(torch.isfinite(o.sum(dtype=torch.float32) + final_state.sum(dtype=torch.float32)))
+    """Whether ``o`` and ``final_state`` are finite (exactly: no false alarm from an overflow)."""
+    return _all_finite(o) and _all_finite(final_state)
 
 
 class Nonfinite(NamedTuple):

@@ -189,7 +189,7 @@ inline float* thread_workspace(int slot, int64_t floats) {
   return buffers[slot].get();
 }
 
-enum WorkspaceSlot { kStore = 0, kScratch = 1 };
+enum WorkspaceSlot { kStore = 0, kScratch = 1, kTranspose = 2 };
 
 // While alive, the calling thread treats subnormal floats as zero, as inputs and results
 // (x86 MXCSR FTZ and DAZ; restored on exit, so torch's own work on the thread is unchanged).
@@ -429,6 +429,12 @@ inline void tile_decays(Tile& t) {
 //   u [C, V] = T diag(beta) V,  w [C, K] = w_alpha T diag(beta exp(gamma)) K
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
                 float* tb, float* u, float* w, float w_alpha);
+
+// C[M, N] = alpha op(A) B + beta C for the chunk products (forward.cpp): op(A) = A^T with
+// trans_a (A [kd, M] then, row stride lda); `a_lower`: op(A) is lower triangular (its zeros
+// are skipped). The AVX2 micro-kernels of microgemm.h where the CPU has them, else the BLAS.
+void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc, bool a_lower = false);
 
 // Bytes of per-chunk intermediates a segment may hold between its stages: small enough to
 // stay in the last-level cache of a small machine, large enough to give every thread work.

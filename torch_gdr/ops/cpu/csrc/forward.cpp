@@ -2,8 +2,18 @@
 // value head) for the whole intra-chunk part, then one over (sequence, value head) for the
 // state scan, which also writes the outputs (each state stays in the thread's cache).
 #include "common.h"
+#include "microgemm.h"
 
 namespace gdr {
+
+void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc, bool a_lower) {
+  if (micro::kEnabled)
+    micro::gemm_nn(m, n, kd, alpha, a, trans_a ? 1 : lda, trans_a ? lda : 1, b, ldb, beta, c, ldc, nullptr,
+                   a_lower ? micro::Tri::ALower : micro::Tri::None);
+  else
+    gemm(trans_a, false, m, n, kd, alpha, a, lda, b, ldb, beta, c, ldc);
+}
 
 namespace {
 
@@ -26,35 +36,54 @@ void unit_lower_inverse_any(const float* gram, const float* beta, float* inv, in
   }
 }
 
-// The same for C = 16 * NV, each row accumulated in NV registers of 16 floats: T_s is zero
-// after column s, so only its first s / 16 + 1 vectors are read.
+#if defined(__AVX2__)
+// The same for C = 8 * NV, each row accumulated in NV AVX registers: T_s is zero after
+// column s, so only its first s / 8 + 1 vectors are read. (GCC's generic 64-byte vectors
+// spilled through memory on AVX2 here: a fifth of the forward.)
 template <int NV>
-void unit_lower_inverse(const float* gram, const float* beta, float* inv, int64_t C) {
-  typedef float vec16 __attribute__((vector_size(64)));
+void unit_lower_inverse(const float* gram, const float* beta, float* inv) {
+  constexpr int64_t C = 8 * NV;
   for (int64_t r = 0; r < C; ++r) {
-    vec16 acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+    __m256 acc[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
     const float br = beta[r];
-    const float* gr = gram + r * C;
     if (br != 0.0f) {
+      const float* gr = gram + r * C;
       for (int64_t s = 0; s < r; ++s) {
         const float a = br * gr[s];
         if (a == 0.0f) continue;
+        const __m256 av = _mm256_set1_ps(a);
         const float* ts = inv + s * C;
-        const int64_t used = s / 16;
-        for (int v = 0; v < NV; ++v) {
-          if (v > used) break;
-          vec16 x;
-          std::memcpy(&x, ts + 16 * v, sizeof(x));
-          acc[v] -= a * x;
-        }
+        const int used = static_cast<int>(s >> 3);
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v)
+          if (v <= used) acc[v] = _mm256_fnmadd_ps(av, _mm256_loadu_ps(ts + 8 * v), acc[v]);
       }
     }
     float* row = inv + r * C;
-    for (int v = 0; v < NV; ++v) std::memcpy(row + 16 * v, &acc[v], sizeof(vec16));
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(row + 8 * v, acc[v]);
     row[r] = 1.0f;
   }
 }
+
+// T for any C: the vector kernel where C is a multiple of 8 up to 128.
+void unit_lower_inverse_dispatch(const float* gram, const float* beta, float* inv, int64_t C) {
+  switch (C) {
+    case 8: return unit_lower_inverse<1>(gram, beta, inv);
+    case 16: return unit_lower_inverse<2>(gram, beta, inv);
+    case 32: return unit_lower_inverse<4>(gram, beta, inv);
+    case 64: return unit_lower_inverse<8>(gram, beta, inv);
+    case 128: return unit_lower_inverse<16>(gram, beta, inv);
+    default: return unit_lower_inverse_any(gram, beta, inv, C);
+  }
+}
+#else
+void unit_lower_inverse_dispatch(const float* gram, const float* beta, float* inv, int64_t C) {
+  unit_lower_inverse_any(gram, beta, inv, C);
+}
+#endif
 
 }  // namespace
 
@@ -62,11 +91,20 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
                 float* tb, float* u, float* w, float w_alpha) {
   const int64_t C = t.C, K = t.K, V = t.V;
   const float* gam = t.gam;
-  // [Q; K] K^T in one GEMM (only the key rows without the query).
-  if (with_query)
+  // Q K^T and K K^T (only the key rows without the query), on and below the diagonal: the
+  // micro-kernels read K^T, transposed once into the thread's buffer.
+  if (micro::kEnabled) {
+    float* kt = thread_workspace(kTranspose, K * C);
+    const float* key = t.key();
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t j = 0; j < K; ++j) kt[j * C + r] = key[r * K + j];
+    if (with_query) micro::gemm_nn(C, C, K, 1.0f, t.qk, K, 1, kt, C, 0.0f, sim, C, nullptr, micro::Tri::CLower);
+    micro::gemm_nn(C, C, K, 1.0f, key, K, 1, kt, C, 0.0f, sim + C * C, C, nullptr, micro::Tri::CLower);
+  } else if (with_query) {
     gemm(false, true, 2 * C, C, K, 1.0f, t.qk, K, t.key(), K, 0.0f, sim, C);
-  else
+  } else {
     gemm(false, true, C, C, K, 1.0f, t.key(), K, t.key(), K, 0.0f, sim + C * C, C);
+  }
   // Masks by selection, never by multiplying with 0 (0 * inf is NaN).
   for (int64_t r = 0; r < C; ++r) {
     const float* kk = sim + (C + r) * C;
@@ -82,17 +120,7 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
     }
   }
   // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
-  if (C % 16 == 0 && C <= 128) {
-    switch (C / 16) {
-      case 1: unit_lower_inverse<1>(gram, t.beta, inv, C); break;
-      case 2: unit_lower_inverse<2>(gram, t.beta, inv, C); break;
-      case 4: unit_lower_inverse<4>(gram, t.beta, inv, C); break;
-      case 8: unit_lower_inverse<8>(gram, t.beta, inv, C); break;
-      default: unit_lower_inverse_any(gram, t.beta, inv, C);
-    }
-  } else {
-    unit_lower_inverse_any(gram, t.beta, inv, C);
-  }
+  unit_lower_inverse_dispatch(gram, t.beta, inv, C);
   // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
   for (int64_t r = 0; r < C; ++r) {
     const float* ti = inv + r * C;
@@ -100,13 +128,13 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] = ti[s] * t.beta[s];
   }
-  gemm(false, false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V);
+  gemm_small(false, C, V, C, 1.0f, tb, C, t.v, V, 0.0f, u, V, true);
   for (int64_t r = 0; r < C; ++r) {
     float* o = tb + r * C;
 #pragma omp simd
     for (int64_t s = 0; s < C; ++s) o[s] *= t.gexp[s];
   }
-  gemm(false, false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K);
+  gemm_small(false, C, K, C, w_alpha, tb, C, t.key(), K, 0.0f, w, K, true);
 }
 
 namespace {
@@ -173,19 +201,19 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
     if (with_query) {
       // [O; V'] = [Qg; -W] S + [0; U], then O += P V'
-      std::memset(it.ou(), 0, sizeof(float) * C * V);
-      gemm(false, false, 2 * C, V, K, 1.0f, it.qw(), K, state, V, 1.0f, it.ou(), V);
-      gemm(false, false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V);
+      gemm_small(false, C, V, K, 1.0f, it.qw(), K, state, V, 0.0f, it.ou(), V);
+      gemm_small(false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+      gemm_small(false, C, V, C, 1.0f, it.attn(), C, it.u(), V, 1.0f, it.ou(), V, true);
       float* out = it.ou();
       const float nan = std::numeric_limits<float>::quiet_NaN();
       for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
       const int64_t t0 = p.bos[n] + c * C;
       for (int64_t r = 0; r < rows; ++r) stream_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
     } else {
-      gemm(false, false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
+      gemm_small(false, C, V, K, 1.0f, it.neg_w(), K, state, V, 1.0f, it.u(), V);
     }
     // S <- exp(gamma_C) S + Kd^T V'  (the decay as the GEMM's beta)
-    gemm(true, false, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
+    gemm_small(true, K, V, C, 1.0f, it.kd(), K, it.u(), V, decay, state, V);
     if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
   };
 

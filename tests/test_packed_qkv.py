@@ -5,10 +5,8 @@ Values: the views give the float64 recurrence's outputs and states (decode over 
 prefill over a pool, plain prefill). Copies: the torch profiler lists every copy op
 (``aten::clone``, ``copy_``, ``_to_copy``, ``contiguous``) a call runs; with the views the list
 must be the one the same call runs with contiguous copies of q, k, v (no copy is added for the
-strides). The ``"cpu"`` backend's C++ kernels read q, k, v as contiguous ``[tokens, heads, dim]``
-rows, so its Python side copies the three views: marked ``xfail(strict=True)`` with that
-reason (bench/RESULTS.md measures the cost), so that the mark goes when the kernels take a
-token stride.
+strides), on both backends: the ``"cpu"`` backend's forward kernels read q, k, v through their
+token and head strides.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
 
 T, H, HV, K, V = 4, 2, 4, 16, 8
 COPY_OPS = ("aten::clone", "aten::copy_", "aten::_to_copy", "aten::contiguous")
-CPU_COPIES = pytest.mark.xfail(strict=True, reason="the cpu backend's C++ kernels read q, k, v as contiguous "
-                                                   "[tokens, heads, dim] rows: its Python side copies strided views")
 
 
 def _packed(seed: int, heads: int = H):
@@ -119,8 +115,7 @@ def _copies(fn) -> collections.Counter:
 
 
 @pytest.mark.parametrize("heads", [H, HV], ids=["gqa", "mha"])
-@pytest.mark.parametrize("backend, name", [
-    pytest.param(*p.values, marks=[CPU_COPIES] if p.values[0] == "cpu" else [], id=p.id) for p in _params()])
+@pytest.mark.parametrize("backend, name", _params())
 def test_packed_views_are_not_copied(backend: str, name: str, heads: int) -> None:
     _, q, k, v, g, beta = _packed(seed=2, heads=heads)
     dense = [t.contiguous() for t in (q, k, v)]

@@ -21,7 +21,7 @@ from torch_gdr._gating import Gating, gating_of
 from torch_gdr._inplace import row_view
 from torch_gdr._layout import GdrCall
 from torch_gdr.ops.cpu import _build
-from torch_gdr.ops.cpu.kernels import _as, _gating_args
+from torch_gdr.ops.cpu.kernels import _gating_args, _token_view
 
 Tensor = torch.Tensor
 
@@ -62,8 +62,8 @@ def _step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     lengths = None if cu is None else (cu[1:] - cu[:-1]).tolist()
     indices, start_rows = _rows(state.shape[0], lengths, v.shape[1])
     gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    o = ext.pool_recurrent_fwd(_as(q, dtype), _as(k, dtype), _as(v, dtype), _as(g, torch.float32),
-                               _as(beta, torch.float32), float(scale), row_view(state), indices, start_rows,
+    o = ext.pool_recurrent_fwd(_token_view(q, dtype), _token_view(k, dtype), _token_view(v, dtype),
+                               _token_view(g, torch.float32), _token_view(beta, torch.float32), float(scale), row_view(state), indices, start_rows,
                                bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating),
                                None, True, None, None)
     return o.reshape(v.shape)

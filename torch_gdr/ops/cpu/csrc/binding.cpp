@@ -100,6 +100,37 @@ int64_t total_chunks(const gdr::Problem& p) {
   return total;
 }
 
+// The token and head strides of q/k/v [B, T, heads, dim] (dim contiguous) or g/beta
+// [B, T, heads], where the B * T tokens are one strided dim.
+void token_strides(const Tensor& t, const char* name, int64_t& tok, int64_t& head) {
+  const int64_t B = t.size(0), T = t.size(1);
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+  if (t.dim() == 4) TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, ": expected a contiguous last dim");
+  TORCH_CHECK(B == 1 || T == 1 || t.stride(0) == T * t.stride(1), name,
+              ": expected the batch and time dims to flatten into one token dim, got strides ", t.strides());
+  tok = T == 1 ? t.stride(0) : t.stride(1);
+  head = t.stride(2);
+}
+
+// q, k, v of q's dtype and g, beta float32 in the problem's shapes, read through their strides
+// (views of a packed projection; token_strides' rules), which go to p.strides.
+void check_token_inputs(gdr::Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                        const Tensor& beta) {
+  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "k, v: expected k in q's shape and q, k, v of one dtype");
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v: expected q's batch and time dims");
+  TORCH_CHECK(g.dim() == 3 && beta.dim() == 3 && g.sizes() == beta.sizes() && g.size(0) == q.size(0) &&
+                  g.size(1) == q.size(1) && g.size(2) == p.HV && g.scalar_type() == at::kFloat &&
+                  beta.scalar_type() == at::kFloat,
+              "g, beta: expected float32 [B, T, HV]");
+  gdr::InputStrides& st = p.strides;
+  token_strides(q, "q", st.q_tok, st.q_head);
+  token_strides(k, "k", st.k_tok, st.k_head);
+  token_strides(v, "v", st.v_tok, st.v_head);
+  token_strides(g, "g", st.g_tok, st.g_head);
+  token_strides(beta, "beta", st.b_tok, st.b_head);
+}
+
 void check_inputs(const gdr::Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                   const Tensor& beta) {
   const int64_t tokens = q.size(0) * q.size(1);
@@ -123,11 +154,12 @@ std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                               int64_t stages, const optional<Tensor>& A_log, const optional<Tensor>& dt_bias,
                               bool beta_sigmoid, double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
-  check_inputs(p, q, k, v, g, beta);
+  check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const float* initial = optional_state(initial_state, p, "initial_state");
   const auto f32 = q.options().dtype(at::kFloat);
-  Tensor o = with_output ? advise_huge(at::empty(v.sizes(), v.options())) : at::empty({0}, v.options());
+  const auto out = v.options().memory_format(at::MemoryFormat::Contiguous);
+  Tensor o = with_output ? advise_huge(at::empty(v.sizes(), out)) : at::empty({0}, out);
   Tensor final_state = at::empty({p.num_seqs(), p.HV, p.K, p.V}, f32);
   Tensor states = save_states ? advise_huge(at::empty({total_chunks(p), p.HV, p.K, p.V}, f32)) : at::empty({0}, f32);
   {
@@ -180,7 +212,7 @@ std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor
                                   const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
                                   double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
-  check_inputs(p, q, k, v, g, beta);
+  check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const float* initial = optional_state(initial_state, p, "initial_state");
   Tensor final_state;
@@ -190,7 +222,7 @@ std::vector<Tensor> recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor
   } else {
     final_state = at::empty({p.num_seqs(), p.HV, p.K, p.V}, q.options().dtype(at::kFloat));
   }
-  Tensor o = at::empty(v.sizes(), v.options());
+  Tensor o = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   {
     pybind11::gil_scoped_release no_gil;
     gdr::recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(), beta.data_ptr<float>(),
@@ -209,18 +241,6 @@ gdr::StateType state_type_of(const Tensor& t, const char* name) {
     case at::kFloat8_e5m2: return gdr::StateType::Fp8E5M2;
     default: TORCH_CHECK(false, name, ": unsupported dtype ", t.scalar_type());
   }
-}
-
-// The token and head strides of q/k/v [B, T, heads, dim] (dim contiguous) or g/beta
-// [B, T, heads], where the B * T tokens are one strided dim.
-void token_strides(const Tensor& t, const char* name, int64_t& tok, int64_t& head) {
-  const int64_t B = t.size(0), T = t.size(1);
-  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
-  if (t.dim() == 4) TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, ": expected a contiguous last dim");
-  TORCH_CHECK(B == 1 || T == 1 || t.stride(0) == T * t.stride(1), name,
-              ": expected the batch and time dims to flatten into one token dim, got strides ", t.strides());
-  tok = T == 1 ? t.stride(0) : t.stride(1);
-  head = t.stride(2);
 }
 
 // A [rows, (slots,) HV, K, V] state tensor ([.., V, K] with v_first) as a key-first view.
@@ -266,18 +286,7 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
                           double beta_scale, const optional<Tensor>& parents, bool write_pool,
                           const optional<Tensor>& buffer, const optional<Tensor>& buffer_rows) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, 64, scale, l2norm);
-  TORCH_CHECK(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "k, v: expected k in q's shape and q, k, v of one dtype");
-  TORCH_CHECK(g.dim() == 3 && beta.dim() == 3 && g.sizes() == beta.sizes() && g.size(0) == q.size(0) &&
-                  g.size(1) == q.size(1) && g.size(2) == p.HV && g.scalar_type() == at::kFloat &&
-                  beta.scalar_type() == at::kFloat,
-              "g, beta: expected float32 [B, T, HV]");
-  gdr::InputStrides& st = p.strides;
-  token_strides(q, "q", st.q_tok, st.q_head);
-  token_strides(k, "k", st.k_tok, st.k_head);
-  token_strides(v, "v", st.v_tok, st.v_head);
-  token_strides(g, "g", st.g_tok, st.g_head);
-  token_strides(beta, "beta", st.b_tok, st.b_head);
+  check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const int64_t num = p.num_seqs();
   TORCH_CHECK(indices.dim() == 2 && indices.size(0) == num && indices.size(1) >= 1,

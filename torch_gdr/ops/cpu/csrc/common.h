@@ -337,12 +337,14 @@ void load_tile(const Problem& p, Tile& t, const T* q, const T* k, const T* v, co
   const int64_t t0 = p.bos[n] + c * C;
   t.rows = std::min<int64_t>(C, p.len[n] - c * C);
   t.bad = t.rows;
+  const InputStrides& st = p.strides;
   for (int64_t r = 0; r < t.rows; ++r) {
     const int64_t tok = t0 + r;
-    if (with_query) load_row(q + (tok * p.H + hk) * K, t.query() + r * K, K);
-    float probe = load_row(k + (tok * p.H + hk) * K, t.key() + r * K, K);
-    probe += load_row(v + (tok * p.HV + h) * V, t.v + r * V, V);
-    const float gr = gate_of(p, g[tok * p.HV + h], h), br = beta_of(p, beta[tok * p.HV + h]);
+    if (with_query) load_row(q + tok * st.q_tok + hk * st.q_head, t.query() + r * K, K);
+    float probe = load_row(k + tok * st.k_tok + hk * st.k_head, t.key() + r * K, K);
+    probe += load_row(v + tok * st.v_tok + h * st.v_head, t.v + r * V, V);
+    const float gr = gate_of(p, g[tok * st.g_tok + h * st.g_head], h);
+    const float br = beta_of(p, beta[tok * st.b_tok + h * st.b_head]);
     t.g[r] = gr;
     t.beta[r] = br;
     const bool bad = std::isnan(probe) || std::isnan(gr) || gr == std::numeric_limits<float>::infinity() ||

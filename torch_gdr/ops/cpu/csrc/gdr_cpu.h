@@ -33,8 +33,9 @@ struct Gating {
 };
 
 // Element strides of the token and head dims of q, k ([Ttot, H, K]), v ([Ttot, HV, V]), g and
-// beta ([Ttot, HV]); the last dim of q, k and v is contiguous. The pool step reads views
-// (q, k, v carved out of one packed projection); every other kernel, contiguous tensors.
+// beta ([Ttot, HV]); the last dim of q, k and v is contiguous. The forward kernels (chunked,
+// step, pool step) read views (q, k, v carved out of one packed projection); the backward,
+// contiguous tensors.
 struct InputStrides {
   int64_t q_tok = 0, q_head = 0, k_tok = 0, k_head = 0, v_tok = 0, v_head = 0;
   int64_t g_tok = 0, g_head = 1, b_tok = 0, b_head = 1;

@@ -79,6 +79,47 @@ def test_decode_steps_over_an_fp8_pool(backend: str, dtype: torch.dtype, compile
             torch._dynamo.reset()
 
 
+def _fp8_probe_values(dtype: torch.dtype, count: int) -> torch.Tensor:
+    """``count`` float32 values that exercise an fp8 store: every midpoint between two
+    neighbouring finite fp8 values (ties: round to even), values just off them, subnormals,
+    values past the largest finite one, +-inf and NaN."""
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite()].unique()  # sorted, -max..max
+    mids = (grid[1:] + grid[:-1]) / 2
+    limit = torch.finfo(dtype).max
+    special = torch.tensor([limit * 1.01, -limit * 4, float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    values = torch.cat([mids, mids * (1 + 2 ** -12), mids * (1 - 2 ** -12), special])
+    return values[torch.arange(count) % values.numel()]
+
+
+@pytest.mark.parametrize("dim_v", [64, 20], ids=["vector", "scalar-tail"])
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_store_is_the_saturating_cast(backend: str, dtype: torch.dtype, dim_v: int) -> None:
+    """A state of known values stored into an fp8 pool equals torch's cast of those values
+    after clamping to the largest finite value: from a zero start with g = 0, beta = 1 and
+    k = e_0, the state after one token is e_0 v^T, so the pool row's first key row is v,
+    stored; the other key rows are zero."""
+    values = _fp8_probe_values(dtype, 3 * 2 * dim_v).view(3, 1, 2, dim_v)  # [N, T, HV, V]
+    dim_k = 8
+    q = torch.zeros(3, 1, 1, dim_k)
+    k = torch.zeros(3, 1, 1, dim_k)
+    k[..., 0] = 1.0
+    pool = torch.full((5, 2, dim_k, dim_v), 3.0).to(dtype)
+    with torch.no_grad():
+        torch_gdr.fused_recurrent_gated_delta_rule(q, k, values, torch.zeros(3, 1, 2), beta=torch.ones(3, 1, 2),
+                                                   initial_state=pool, ssm_state_indices=torch.tensor([4, 0, 2]),
+                                                   initial_state_indices=torch.tensor([-1, -1, -1]), backend=backend)
+    limit = torch.finfo(dtype).max
+    for n, row in enumerate([4, 0, 2]):
+        want = values[n, 0].clamp(-limit, limit).to(dtype)  # torch's cast: round to nearest even; NaN stays
+        got = pool[row, :, 0]
+        same = (got.view(torch.uint8) == want.view(torch.uint8)) | (got.float().isnan() & want.float().isnan())
+        assert bool(same.all()), f"row {row}: {int((~same).sum())} stored values differ from the cast"
+        assert bool(pool[row, :, 1:].float().eq(0).all())
+    assert bool(pool[[1, 3]].float().eq(3.0).all())  # rows not written keep their bits
+
+
 def test_saturating_store_and_nan() -> None:
     """A state past the largest finite value is stored as that value (e5m2 too, where a
     plain cast gives inf); a NaN state stays NaN; other rows keep their bits."""

@@ -525,7 +525,7 @@ class ServePlan:
 
 def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Optional[Tensor],
                          intermediate_states_buffer: Optional[Tensor], intermediate_state_indices: Optional[Tensor],
-                         disable_state_update: bool) -> ServePlan:
+                         disable_state_update: bool, contiguous_buffer: bool = True) -> ServePlan:
     """The rules of a decode step's tree and intermediate buffer (``ValueError``/``TypeError``
     naming the argument); index values are read on the host.
 
@@ -537,12 +537,14 @@ def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Op
             of the same sequence (-1: the sequence's start state); a parent comes before its
             child. Entries past a sequence's length are ignored. Or None.
         intermediate_states_buffer: ``[R, S_buf, HV, ...]`` in the pool's layout (its inner
-            dims equal the pool's), float32, bfloat16 or float16, contiguous, on the pool's
-            device, ``S_buf`` >= the longest sequence; or None.
+            dims equal the pool's), float32, bfloat16 or float16, on the pool's device,
+            ``S_buf`` >= the longest sequence; or None.
         intermediate_state_indices: ``[N]`` int32/int64 in ``[0, R)``, distinct among the
             sequences with tokens: the state after token j of sequence n goes to
             ``buffer[intermediate_state_indices[n], j]``. Given exactly with the buffer.
         disable_state_update: the pool is read, not written.
+        contiguous_buffer: the caller's step needs a contiguous buffer (the steps over
+            packed rows view it as a pool); the fused CPU step takes any strides.
     """
     lens, num_seqs = plan.seq_lens, plan.num_seqs
     longest = max(lens, default=0)
@@ -578,7 +580,10 @@ def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Op
     if buffer.device != pool.device:
         raise ValueError(f"intermediate_states_buffer: expected a tensor on {pool.device} (the pool's device), got "
                          f"{buffer.device}")
-    if not buffer.is_contiguous():
+    if any(stride == 0 and size > 1 for size, stride in zip(buffer.shape, buffer.stride())):
+        raise ValueError(f"intermediate_states_buffer: expected a buffer whose elements do not overlap (it is "
+                         f"written), got shape {_shape(buffer)} with strides {list(buffer.stride())}")
+    if contiguous_buffer and not buffer.is_contiguous():
         raise ValueError(f"intermediate_states_buffer: expected a contiguous tensor, got strides {list(buffer.stride())}")
     idx = _check_index_tensor("intermediate_state_indices", rows, pool.device, (1,), "[N]")
     if idx.shape[0] != num_seqs:

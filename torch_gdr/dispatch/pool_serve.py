@@ -1,6 +1,7 @@
 """Decode steps with a token tree or intermediate states, on any backend's pool step.
 
-A tree step (``retrieve_parent_token``, EAGLE's token trees) and a step that keeps the state
+A backend whose pool step takes these itself (``Backend.pool_extras``: the ``"cpu"``
+backend's fused step) runs them in one pass of that step. For the others, a tree step (``retrieve_parent_token``, EAGLE's token trees) and a step that keeps the state
 after every token in the caller's buffer (``intermediate_states_buffer``; with
 ``disable_state_update`` the pool is only read) run as plain pool steps of the selected
 backend over the buffer viewed as a pool of ``R * S_buf`` rows (or, without a buffer, a
@@ -28,7 +29,7 @@ import torch
 
 from torch_gdr import _pool
 from torch_gdr._gating import Gating
-from torch_gdr.dispatch.run import run_pool_step
+from torch_gdr.dispatch.run import pool_step_backend, run_pool_step
 
 Tensor = torch.Tensor
 
@@ -52,6 +53,13 @@ def run_pool_serve(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     if not isinstance(disable_state_update, bool):
         raise TypeError(f"disable_state_update: expected a bool, got {type(disable_state_update).__name__}")
     _pool.check_pool_tensors(q, v, pool, state_v_first)
+    if pool_step_backend(q, v, ssm_state_indices, backend).pool_extras:  # one pass of its own step
+        serving = dict(retrieve_parent_token=retrieve_parent_token, intermediate_states_buffer=intermediate_states_buffer,
+                       intermediate_state_indices=intermediate_state_indices, disable_state_update=disable_state_update)
+        return run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             state_v_first=state_v_first, validate=validate, backend=backend, gating=gating,
+                             initial_state_indices=initial_state_indices, serving=serving)
     return _serve_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices,
                      retrieve_parent_token, intermediate_states_buffer, intermediate_state_indices,
                      disable_state_update, cu_seqlens, None if scale is None else float(scale),

@@ -17,7 +17,7 @@ from torch_gdr._gating import Gating, activate_call, apply_gating
 from torch_gdr._layout import GdrCall
 from torch_gdr._validate import CHUNK_SIZES
 from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, select
-from torch_gdr.ops._backend import CallSpec, OpArgs
+from torch_gdr.ops._backend import Backend, CallSpec, OpArgs
 
 Tensor = torch.Tensor
 
@@ -85,15 +85,17 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
                   backend: Optional[str] = None, gating: Optional[Gating] = None,
-                  initial_state_indices: Optional[Tensor] = None) -> Tensor:
+                  initial_state_indices: Optional[Tensor] = None, serving: Optional[dict] = None) -> Tensor:
     """The step over a state pool, in place, on the backend serving it (the arguments of
     :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
-    arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None."""
-    spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)
-    if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
-        spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
-    selection = select(spec, backend)
+    arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None. ``serving``: the
+    serving extras as keywords, for a backend whose step takes them (``Backend.pool_extras``), or None."""
+    selection = _pool_selection(q, v, ssm_state_indices, backend)
     extra = {} if initial_state_indices is None else {"initial_state_indices": initial_state_indices}
+    if serving is not None:
+        if not selection.backend.pool_extras:
+            raise AssertionError(f"the {selection.backend.name!r} backend's pool step takes no serving extras")
+        extra.update(serving)
     if gating is not None and gating.gated:
         if "pool_step" in selection.backend.in_kernel_gating:
             extra["gating"] = gating
@@ -104,6 +106,18 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     return selection.backend.pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                        state_v_first=state_v_first, validate=validate, **extra)
+
+
+def _pool_selection(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str]):
+    spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)
+    if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
+        spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
+    return select(spec, backend)
+
+
+def pool_step_backend(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str]) -> Backend:
+    """The backend that serves the pool step of these inputs (the policy's choice)."""
+    return _pool_selection(q, v, ssm_state_indices, backend).backend
 
 
 def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:

@@ -174,6 +174,12 @@ class Backend:
             into ``state``, the caller's ``initial_state`` (public layout, checked by
             :mod:`torch_gdr._inplace`), with no new state tensor; None: dispatch runs
             :attr:`step` and copies its result in (:func:`torch_gdr.dispatch.run.run_step_inplace`).
+        pool_extras: its ``pool_step`` also takes the serving extras as keywords
+            (``retrieve_parent_token``, ``intermediate_states_buffer``,
+            ``intermediate_state_indices``, ``disable_state_update``) and pools of any strides
+            and of every pool dtype (fp8 included), in one pass; for other backends dispatch
+            runs those calls over their ``pool_step`` on packed float32 rows
+            (:mod:`torch_gdr.dispatch.pool_serve`).
         may_fail: its kernels can fail at run time (a build or a refusal inside the call),
             which the policy treats as a fallback reason.
         warns_when_unsupported: as the default of its device, it warns (once per reason)
@@ -201,6 +207,7 @@ class Backend:
     checkpoints: Optional[Callable[..., tuple]] = None
     pool_step: Optional[Callable[..., Tensor]] = None
     step_inplace: Optional[Callable[[Any, Tensor], Tensor]] = None
+    pool_extras: bool = False
     may_fail: bool = False
     warns_when_unsupported: bool = False
     error: type[BackendError] = BackendError

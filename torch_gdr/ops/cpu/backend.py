@@ -5,7 +5,8 @@ float32); float64 calls, the reference's dtype, go to ``"torch"`` without a word
 extension cannot be built or loaded (no compiler, a failed build, sources missing) every
 call names that reason: a default call warns once and runs ``"torch"``, strict mode and a
 named ``"cpu"`` raise. fla's gate and beta activations, and their gradients, are computed
-inside its kernels (chunked forward and backward, step, pool step). Its in-place step
+inside its kernels (chunked forward and backward, step, pool step). Its pool step serves
+trees, intermediate buffers, strided and fp8 pools in one pass (``pool_extras``). Its in-place step
 (``inplace_final_state``) runs the pool kernel on the caller's state (:mod:`.inplace`).
 """
 
@@ -45,6 +46,7 @@ BACKEND = Backend(
     step=cpu_step,
     pool_step=pool_recurrent_fwd,
     step_inplace=cpu_step_inplace,
+    pool_extras=True,
     error=CpuBackendError,
     warning=CpuFallbackWarning,
     description="the fused C++/OpenMP kernels on CPU tensors",

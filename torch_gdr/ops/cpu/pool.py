@@ -1,19 +1,27 @@
 """The fused CPU decode step over a state pool, in place (the semantics: :mod:`torch_gdr._pool`).
 
-One parallel region over (sequence, value head): each reads its start row, runs its tokens
-and writes the state after each token to that token's row, straight into a float32
-key-first pool (no gathered copy of the states). Key-first bfloat16 and float16 pools are
-read and written in place too, each row converted in vector registers (half the bytes of a
-float32 pool moved; the state carried in float32 between the tokens of a sequence and
-rounded to nearest where stored); value-first pools go through a float32 buffer. The ``"cpu"`` backend serves pool steps only where the
-extension is loaded (:mod:`.backend`); dispatch runs the pure-torch step
-(:func:`torch_gdr.ops.torch.pool.pool_recurrent_step`) elsewhere.
+One parallel region over (sequence, value head) (``csrc/pool.cpp``): each reads its start
+row, runs its tokens and writes the state after each token to that token's row, straight
+into the pool: any strides (any view of a larger allocation; value-first pools are such a
+view), float32, bfloat16, float16 or fp8 (``float8_e4m3fn``/``float8_e5m2``, stored by a
+saturating cast), each block converted in vector registers; the state is carried in float32
+between the tokens of a sequence and rounded where stored. The serving extras run in the
+same pass: a token tree (``retrieve_parent_token``: a token starts from its parent's state),
+the state after every token into the caller's ``intermediate_states_buffer`` (any strides,
+float32/bfloat16/float16), and ``disable_state_update`` (the pool only read). q, k, v, g and
+beta are read through their strides (views of a packed ``mixed_qkv``), never copied when
+they already have v's dtype. Nothing proportional to the pool is allocated.
 
-Graph capture: the step is the op ``gdr::_cpu_pool_step`` (it mutates the pool and returns
-``o``; its fake gives ``o`` in v's shape and dtype). The checks that read index values (rows
-in range, no row written twice, ...) run in the op's eager body, so ``torch.compile``
-traces no branch on data and the checks still raise their ``ValueError`` at run time; the
-checks that read no values run before the op, where Dynamo sees them.
+The ``"cpu"`` backend serves pool steps only where the extension is loaded (:mod:`.backend`);
+dispatch runs the pure-torch step (:func:`torch_gdr.ops.torch.pool.pool_recurrent_step`)
+elsewhere.
+
+Graph capture: the step is the op ``gdr::_cpu_pool_step`` (it mutates the pool and the
+buffer and returns ``o``; its fake gives ``o`` in v's shape and dtype). The checks that read
+index values (rows in range, no row written twice, parents before children, ...) run in the
+op's eager body, so ``torch.compile`` traces no branch on data and the checks still raise
+their ``ValueError`` at run time; the checks that read no values run before the op, where
+Dynamo sees them.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 from torch_gdr import _pool
 from torch_gdr.ops.cpu import _build
 from torch_gdr._gating import Gating
-from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _as, _gating_args
+from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _gating_args, _token_view
 
 Tensor = torch.Tensor
 
@@ -34,17 +42,22 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                        cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
                        state_v_first: bool = False, validate: bool = True, gating: Optional[Gating] = None,
-                       initial_state_indices: Optional[Tensor] = None) -> Tensor:
+                       initial_state_indices: Optional[Tensor] = None,
+                       retrieve_parent_token: Optional[Tensor] = None,
+                       intermediate_states_buffer: Optional[Tensor] = None,
+                       intermediate_state_indices: Optional[Tensor] = None,
+                       disable_state_update: bool = False) -> Tensor:
     """The decode step over a pool on CPU tensors, in place; q, k and v of one dtype.
 
     Args:
         q, k: ``[B, T, H, K]`` or token-major ``[T, H, K]``; float32, float16 or bfloat16
-            (cast to v's dtype; float64 runs the pure-torch step).
+            (cast to v's dtype; float64 runs the pure-torch step); any strides with a
+            contiguous last dim where the batch and time dims flatten into one.
         v: ``[B, T, HV, V]`` (``[T, HV, V]``); g, beta: ``[B, T, HV]`` (``[T, HV]``), any float
             dtype (used in float32).
         scale: factor on q after the l2norm; ``K ** -0.5`` when None.
         pool: ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``), float32,
-            bfloat16 or float16, rows contiguous, row stride >= the row; updated in place.
+            bfloat16, float16, float8_e4m3fn or float8_e5m2, any strides; updated in place.
         ssm_state_indices: ``[N]`` or ``[N, S]`` int32/int64 rows (vLLM's meaning, see
             :mod:`torch_gdr._pool`); always validated (they are on the CPU).
         num_accepted_tokens: ``[N]`` int32/int64 in ``1..S``, or None.
@@ -53,8 +66,14 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         gating: fla's activations (:class:`torch_gdr._gating.Gating`, checked), applied in
             the kernel to the raw g and beta, or None.
         initial_state_indices: ``[N]`` rows the sequences start from (-1: zeros) instead of
-            ``ssm_state_indices`` at ``num_accepted_tokens - 1``, or None: the kernel reads
-            them as one more column of the row table, never written.
+            ``ssm_state_indices`` at ``num_accepted_tokens - 1``, or None.
+        retrieve_parent_token: ``[N, S']`` int32/int64 token tree (-1: the start state), or
+            None (a chain).
+        intermediate_states_buffer: ``[R, S', HV, ...]`` in the pool's layout, float32,
+            bfloat16 or float16, any strides, receiving the state after token j of sequence n
+            at ``[intermediate_state_indices[n], j]``; or None.
+        intermediate_state_indices: ``[N]`` int32/int64 rows of the buffer, given with it.
+        disable_state_update: the pool is read, not written.
 
     Returns:
         ``o`` in the shape and dtype of v.
@@ -65,6 +84,8 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise ValueError(f"q: expected CPU tensors for the fused CPU pool step, got {q.device}")
     if v.dtype not in KERNEL_DTYPES:
         raise TypeError(f"v: the fused CPU pool step takes float32, float16 or bfloat16, got {v.dtype}")
+    if not isinstance(disable_state_update, bool):
+        raise TypeError(f"disable_state_update: expected a bool, got {type(disable_state_update).__name__}")
     gating = gating or Gating()
     # eager: the op's body directly (the custom op's Python dispatch, ~0.1-0.4 ms, costs more
     # than the kernel of a small decode step); traced: the op, whose eager body keeps the
@@ -72,14 +93,32 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     step = _cpu_pool_step_op if torch.compiler.is_compiling() else _cpu_pool_step_impl
     return step(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                 None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
-                bool(state_v_first), *gating, initial_state_indices=initial_state_indices)
+                bool(state_v_first), *gating, initial_state_indices=initial_state_indices,
+                retrieve_parent_token=retrieve_parent_token, intermediate_states_buffer=intermediate_states_buffer,
+                intermediate_state_indices=intermediate_state_indices, disable_state_update=disable_state_update)
 
 
 _CPU_POOL_STEP_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, "
                          "Tensor ssm_state_indices, Tensor? num_accepted_tokens, Tensor? cu_seqlens, float? scale, "
                          "bool use_qk_l2norm_in_kernel, bool state_v_first, bool use_gate_in_kernel=False, "
                          "Tensor? A_log=None, Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, "
-                         "bool allow_neg_eigval=False, Tensor? initial_state_indices=None) -> Tensor")
+                         "bool allow_neg_eigval=False, Tensor? initial_state_indices=None, "
+                         "Tensor? retrieve_parent_token=None, Tensor(b!)? intermediate_states_buffer=None, "
+                         "Tensor? intermediate_state_indices=None, bool disable_state_update=False) -> Tensor")
+
+
+def _host_rows(t: Tensor) -> Tensor:
+    """Index values as the kernel reads them: int64, contiguous, on the CPU."""
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _parent_table(retrieve_parent_token: Tensor, lens: tuple[int, ...], width: int) -> Tensor:
+    """``[N, width]`` int64: the parents of every sequence's tokens (checked), -1 past its length."""
+    parents = retrieve_parent_token[:, :width].to(device="cpu", dtype=torch.int64)
+    if parents.shape[1] < width:
+        parents = torch.nn.functional.pad(parents, (0, width - parents.shape[1]), value=-1)
+    past_end = torch.arange(width).unsqueeze(0) >= torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
+    return parents.masked_fill(past_end, -1).contiguous()
 
 
 def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
@@ -87,39 +126,54 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
                         state_v_first: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
                         dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                        allow_neg_eigval: bool = False, initial_state_indices: Optional[Tensor] = None) -> Tensor:
+                        allow_neg_eigval: bool = False, initial_state_indices: Optional[Tensor] = None,
+                        retrieve_parent_token: Optional[Tensor] = None,
+                        intermediate_states_buffer: Optional[Tensor] = None,
+                        intermediate_state_indices: Optional[Tensor] = None,
+                        disable_state_update: bool = False) -> Tensor:
     """The op's eager body: every pool rule checked (index values read on the host), then the kernel."""
     gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                                 start_indices=initial_state_indices)
+                                 start_indices=initial_state_indices, in_place=not disable_state_update)
+    extras = (retrieve_parent_token is not None or intermediate_states_buffer is not None
+              or intermediate_state_indices is not None)
+    serve = None
+    if extras:
+        serve = _pool.check_serving_extras(plan, pool, retrieve_parent_token, intermediate_states_buffer,
+                                           intermediate_state_indices, disable_state_update, contiguous_buffer=False)
     ext = _build.load()
     if ext is None:
         raise RuntimeError(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()})")
     batched = [t.unsqueeze(0) if plan.token_major else t for t in (q, k, v, g, beta)]
     dtype = v.dtype
-    qb, kb, vb = _as(batched[0], dtype), _as(batched[1], dtype), _as(batched[2], dtype)
-    gb, bb = _as(batched[3], torch.float32), _as(batched[4], torch.float32)
-    cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    qb, kb, vb = (_token_view(t, dtype) for t in batched[:3])
+    gb, bb = (_token_view(t, torch.float32) for t in batched[3:])
+    cu = None if cu_seqlens is None else _host_rows(cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    indices, read_pos = plan.indices, plan.read_pos
-    if initial_state_indices is not None:  # the start rows as a last column, read and never written
-        indices = torch.cat([indices, plan.start_rows.view(-1, 1)], dim=1)
-        read_pos = torch.full((indices.shape[0],), indices.shape[1] - 1, dtype=torch.int64)
-    o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, indices.contiguous(), read_pos,
-                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating))
+    indices = plan.indices
+    width = indices.shape[1]
+    parents = buffer_rows = None
+    if serve is not None:
+        # the kernel's width: the longest sequence (entries past a sequence's length are never written)
+        width = max(max(plan.seq_lens, default=0), 1)
+        indices = indices[:, :width]
+        if serve.parents is not None:
+            parents = _parent_table(retrieve_parent_token, plan.seq_lens, width)
+        if intermediate_states_buffer is not None:
+            buffer_rows = torch.tensor(serve.buffer_rows, dtype=torch.int64)
+    o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, _host_rows(indices), _host_rows(plan.start_rows),
+                               bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating),
+                               parents, not disable_state_update, intermediate_states_buffer, buffer_rows)
     return o.reshape(v.shape)
 
 
-_cpu_pool_step_op = torch.library.custom_op("gdr::_cpu_pool_step", _cpu_pool_step_impl, mutates_args=("pool",),
+_cpu_pool_step_op = torch.library.custom_op("gdr::_cpu_pool_step", _cpu_pool_step_impl,
+                                            mutates_args=("pool", "intermediate_states_buffer"),
                                             schema=_CPU_POOL_STEP_SCHEMA)
 
 
 @_cpu_pool_step_op.register_fake
 def _cpu_pool_step_fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
-                        ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
-                        cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                        state_v_first: bool, use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
-                        dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                        allow_neg_eigval: bool = False, initial_state_indices: Optional[Tensor] = None) -> Tensor:
+                        *args, **kwargs) -> Tensor:
     return torch.empty_like(v)

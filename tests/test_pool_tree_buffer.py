@@ -180,9 +180,10 @@ ERRORS = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("name", sorted(ERRORS))
-def test_errors_name_the_argument(name: str, compiled: bool) -> None:
+def test_errors_name_the_argument(name: str, compiled: bool, backend: str) -> None:
     kw, exc, pattern = ERRORS[name]
     x, _, _ = _inputs([4, 4, 4], "torch", False)
     pool, _ = make_pool(16, HV, 8, 6)
@@ -191,7 +192,7 @@ def test_errors_name_the_argument(name: str, compiled: bool) -> None:
     if "buffer" in kw:
         buffer = torch.zeros(*kw["buffer"], HV, 8, 6, dtype=kw.get("buffer_dtype", torch.float32))
     buffer_rows = kw.get("buffer_rows", [3, 0, 4] if buffer is not None else None)
-    step = _step("torch", compiled, f"errors_{name}")
+    step = _step(backend, compiled, f"errors_{name}")
     torch._dynamo.reset()
     try:
         with torch.no_grad(), pytest.raises(exc, match=pattern):
@@ -201,3 +202,40 @@ def test_errors_name_the_argument(name: str, compiled: bool) -> None:
     finally:
         torch._dynamo.reset()
     assert torch.equal(pool, before)
+
+
+PYPTO_EXTRAS = {
+    "tree": (dict(retrieve_parent_token=torch.tensor([[-1, 0]] * 2)), r"a token tree \(retrieve_parent_token\)"),
+    "buffer": (dict(intermediate_states_buffer=torch.zeros(2, 2, HV, 64, 64),
+                    intermediate_state_indices=torch.tensor([0, 1])), r"intermediate states"),
+    "no_update": (dict(disable_state_update=True), r"leaves the pool unwritten \(disable_state_update\)"),
+    "strided": ("strided", r"a pool whose rows are not contiguous"),
+    "fp8": ("fp8", r"an fp8 pool"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(PYPTO_EXTRAS))
+def test_pypto_names_the_extra_its_decode_kernel_lacks(extra: str) -> None:
+    """The PyPTO decode kernel runs plain chains over packed rows: asked by name for a step
+    with a serving extra, the registry refuses it with a reason naming the extra (before any
+    kernel runs), and the pool keeps its bits."""
+    from torch_gdr._fallback import PyptoBackendError
+
+    kw, pattern = PYPTO_EXTRAS[extra]
+    x = make_inputs(seqlens=[2, 2], num_qk_heads=1, num_v_heads=HV, head_k_dim=64, head_v_dim=64,
+                    dtype=torch.float32, seed=5)
+    x.pop("cu_seqlens")
+    x = {f: x[f].reshape(2, 2, *x[f].shape[2:]) for f in FIELDS}
+    pool = torch.randn(6, HV, 64, 64)
+    if kw == "strided":
+        pool = torch.randn(6, HV, 64, 72)[..., :64]
+        kw = {}
+    elif kw == "fp8":
+        pool = pool.to(torch.float8_e4m3fn)
+        kw = {}
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(PyptoBackendError, match=r"backend 'pypto' cannot serve .*" + pattern):
+        torch_gdr.fused_recurrent_gated_delta_rule(*(x[f] for f in FIELDS), initial_state=pool,
+                                                   ssm_state_indices=torch.tensor([[1, 2], [3, 4]]),
+                                                   backend="pypto", **kw)
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))

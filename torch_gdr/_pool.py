@@ -165,14 +165,17 @@ def _check_pool(pool: object, num_v_heads: int, head_k_dim: int, head_v_dim: int
 
 
 def rows_packed(pool: Tensor) -> bool:
-    """Whether every row of ``pool [slots, A, B, C]`` is contiguous (strides ``[>= A * B * C,
-    B * C, C, 1]``) and of a dtype the backends' steps take, as the fused kernels read rows;
-    other pools (any view, fp8) go through packed float32 rows
-    (:mod:`torch_gdr.dispatch.pool_serve`)."""
+    """Whether every row of ``pool [slots, A, B, C]`` is contiguous (:func:`rows_contiguous`)
+    and of a dtype every backend's step takes; other pools (any view, fp8) go through
+    :mod:`torch_gdr.dispatch.pool_serve` (a backend's own pass, or packed float32 rows)."""
+    return pool.dim() != 4 or (pool.dtype not in FP8_DTYPES and rows_contiguous(pool))
+
+
+def rows_contiguous(pool: Tensor) -> bool:
+    """Whether every row of ``pool [slots, A, B, C]`` is contiguous: strides ``[>= A * B * C,
+    B * C, C, 1]`` (sizes 1 aside)."""
     if pool.dim() != 4:  # not a pool: its checks say so
         return True
-    if pool.dtype in FP8_DTYPES:
-        return False
     a, b, c = pool.shape[1:]
     return (pool.stride(3) == 1 or c == 1) and (pool.stride(2) == c or b == 1) and (pool.stride(1) == b * c or a == 1) \
         and pool.stride(0) >= a * b * c

@@ -1,7 +1,9 @@
 """Decode steps with a token tree or intermediate states, on any backend's pool step.
 
 A backend whose pool step takes these itself (``Backend.pool_extras``: the ``"cpu"``
-backend's fused step) runs them in one pass of that step. For the others, a tree step (``retrieve_parent_token``, EAGLE's token trees) and a step that keeps the state
+backend's fused step) runs them in one pass of that step. A backend whose capabilities leave
+an extra out (``Capabilities.pool_extras``: the ``"pypto"`` decode kernel carries none) is
+passed over with that reason, as any other. For the others, a tree step (``retrieve_parent_token``, EAGLE's token trees) and a step that keeps the state
 after every token in the caller's buffer (``intermediate_states_buffer``; with
 ``disable_state_update`` the pool is only read) run as plain pool steps of the selected
 backend over the buffer viewed as a pool of ``R * S_buf`` rows (or, without a buffer, a
@@ -53,7 +55,14 @@ def run_pool_serve(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     if not isinstance(disable_state_update, bool):
         raise TypeError(f"disable_state_update: expected a bool, got {type(disable_state_update).__name__}")
     _pool.check_pool_tensors(q, v, pool, state_v_first)
-    if pool_step_backend(q, v, ssm_state_indices, backend).pool_extras:  # one pass of its own step
+    extras = frozenset(name for name, used in (
+        ("retrieve_parent_token", retrieve_parent_token is not None),
+        ("intermediate_states_buffer", intermediate_states_buffer is not None),
+        ("disable_state_update", disable_state_update),
+        ("strided_pool", not _pool.rows_contiguous(pool)),
+        ("fp8_pool", pool.dtype in _pool.FP8_DTYPES)) if used)
+    chosen = pool_step_backend(q, v, ssm_state_indices, backend, extras)
+    if chosen.pool_extras:  # one pass of its own step
         serving = dict(retrieve_parent_token=retrieve_parent_token, intermediate_states_buffer=intermediate_states_buffer,
                        intermediate_state_indices=intermediate_state_indices, disable_state_update=disable_state_update)
         return run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
@@ -63,7 +72,7 @@ def run_pool_serve(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     return _serve_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices,
                      retrieve_parent_token, intermediate_states_buffer, intermediate_state_indices,
                      disable_state_update, cu_seqlens, None if scale is None else float(scale),
-                     bool(use_qk_l2norm_in_kernel), bool(state_v_first), bool(validate), backend, *gating)
+                     bool(use_qk_l2norm_in_kernel), bool(state_v_first), bool(validate), chosen.name, *gating)
 
 
 def _serve_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, ssm_state_indices: Tensor,

@@ -108,16 +108,19 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                                        state_v_first=state_v_first, validate=validate, **extra)
 
 
-def _pool_selection(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str]):
-    spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)
+def _pool_selection(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str],
+                    extras: frozenset[str] = frozenset()):
+    spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)._replace(pool_extras=extras)
     if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
         spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
     return select(spec, backend)
 
 
-def pool_step_backend(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str]) -> Backend:
-    """The backend that serves the pool step of these inputs (the policy's choice)."""
-    return _pool_selection(q, v, ssm_state_indices, backend).backend
+def pool_step_backend(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str],
+                      extras: frozenset[str] = frozenset()) -> Backend:
+    """The backend that serves the pool step of these inputs with the serving ``extras``
+    (keys of :data:`torch_gdr.ops._backend.POOL_EXTRAS`) (the policy's choice)."""
+    return _pool_selection(q, v, ssm_state_indices, backend, extras).backend
 
 
 def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:

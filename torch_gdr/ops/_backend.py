@@ -104,6 +104,8 @@ class CallSpec(NamedTuple):
         num_tokens: B * T, the tokens of the call.
         tokens_per_sequence: the pool step's S (``ssm_state_indices [N, S]``: the most tokens
             one sequence verifies in the step); 1 for every other entry.
+        pool_extras: the pool step's serving extras the call uses (keys of
+            :data:`POOL_EXTRAS`); empty for every other entry.
     """
 
     entry: str
@@ -116,6 +118,7 @@ class CallSpec(NamedTuple):
     needs_grad: bool
     num_tokens: int
     tokens_per_sequence: int = 1
+    pool_extras: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, entry: str, q: Tensor, v: Tensor, chunk_size: int, needs_grad: bool) -> "CallSpec":
@@ -123,6 +126,17 @@ class CallSpec(NamedTuple):
         num_tokens = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
         return cls(entry, q.device, q.dtype, v.dtype, q.shape[-1], v.shape[-1], int(chunk_size), bool(needs_grad),
                    int(num_tokens))
+
+
+#: The serving extras of a decode step over a pool (issue 36), as a backend's pool step may
+#: carry them in its kernel or not: name -> the words of a reason.
+POOL_EXTRAS: dict[str, str] = {
+    "retrieve_parent_token": "a token tree (retrieve_parent_token)",
+    "intermediate_states_buffer": "intermediate states (intermediate_states_buffer)",
+    "disable_state_update": "a step that leaves the pool unwritten (disable_state_update)",
+    "strided_pool": "a pool whose rows are not contiguous",
+    "fp8_pool": "an fp8 pool",
+}
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,8 @@ class Capabilities:
         chunk_sizes: the chunk sizes of the chunked call it takes; None: any the call takes.
         training: the chunked call has a backward (gradients).
         step_training: the step has a backward.
+        pool_extras: the serving extras (:data:`POOL_EXTRAS`) its pool step serves; None: all
+            of them (in its own kernel, or through dispatch's packed float32 rows).
     """
 
     entries: frozenset[str]
@@ -148,6 +164,7 @@ class Capabilities:
     chunk_sizes: Optional[tuple[int, ...]] = None
     training: bool = True
     step_training: bool = True
+    pool_extras: Optional[frozenset[str]] = None
 
 
 #: ``step(call) -> (o, final_state)``: the token-by-token call on a checked call in the
@@ -243,6 +260,9 @@ class Backend:
                                   f"V = {call.head_v_dim}"))
         if call.entry in ("chunk", "checkpoints") and caps.chunk_sizes is not None and call.chunk_size not in caps.chunk_sizes:
             reasons.append(Reason(f"it has chunk sizes {list(caps.chunk_sizes)}, got chunk_size = {call.chunk_size}"))
+        if call.entry == "pool_step" and caps.pool_extras is not None:
+            for extra in sorted(call.pool_extras - caps.pool_extras):
+                reasons.append(Reason(f"its pool step does not carry {POOL_EXTRAS[extra]}"))
         if needs_grad:
             if call.entry == "chunk" and not caps.training:
                 reasons.append(Reason("it has no backward (an input requires grad)"))

@@ -38,7 +38,8 @@ def _reasons(call: CallSpec) -> list[Reason]:
 BACKEND = Backend(
     name="pypto",
     capabilities=Capabilities(entries=frozenset({"chunk", "step", "pool_step"}), device_types=("cpu", "npu", "privateuseone"),
-                              dtypes=spec.DTYPES, head_dims=spec.HEAD_DIMS, chunk_sizes=spec.CHUNK_SIZES),
+                              dtypes=spec.DTYPES, head_dims=spec.HEAD_DIMS, chunk_sizes=spec.CHUNK_SIZES,
+                              pool_extras=frozenset()),  # its decode kernel: plain chains over packed rows
     forward_op=pypto_fwd,
     backward_op=pypto_bwd,
     keeps_chunk_states=True,

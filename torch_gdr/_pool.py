@@ -59,7 +59,8 @@ from torch_gdr._validate import INDEX_DTYPES, check_inputs, read_cu_seqlens
 
 Tensor = torch.Tensor
 
-#: fp8 pool dtypes: stored by a plain saturating cast (no scale), served over packed float32 rows.
+#: fp8 pool dtypes: stored by a plain saturating cast (no scale); the fused CPU step stores them
+#: itself, other backends run over packed float32 rows (:mod:`torch_gdr.dispatch.pool_serve`).
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The dtypes of an intermediate-states buffer (and of the pools the fused kernels read).
 BUFFER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)

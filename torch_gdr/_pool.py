@@ -195,21 +195,40 @@ def _check_range(name: str, values: Tensor, slots: int) -> None:
                          f"{where if len(where) > 1 else where[0]}")
 
 
-def _check_row_conflicts(writes: list[tuple[int, int, str]], reads: list[tuple[int, int, str]]) -> None:
-    """``writes``/``reads``: ``(row, sequence, what)`` with rows >= 0. No row written twice;
-    no row written by one sequence and read by another."""
-    writer: dict[int, tuple[int, str]] = {}
+def _check_rows_in_range(name: str, table: list, slots: int) -> None:
+    """``table``: index values as nested lists (``[N]`` or ``[N, S]``), every one in
+    ``[-1, slots)``; else ``ValueError`` naming the first outside, in row-major order.
+    (Plain Python: for the few rows of a decode step it costs less than torch's reductions.)"""
+    for n, entry in enumerate(table):
+        if isinstance(entry, list):
+            for j, value in enumerate(entry):
+                if not -1 <= value < slots:
+                    raise ValueError(f"{name}: expected pool rows in [-1, slots) = [-1, {slots}), got {value} at "
+                                     f"{[n, j]}")
+        elif not -1 <= entry < slots:
+            raise ValueError(f"{name}: expected pool rows in [-1, slots) = [-1, {slots}), got {entry} at {n}")
+
+
+def _what(what) -> str:
+    """An index entry's name: a string, or ``(format, *args)`` formatted when an error needs it."""
+    return what if isinstance(what, str) else what[0].format(*what[1:])
+
+
+def _check_row_conflicts(writes: list[tuple], reads: list[tuple]) -> None:
+    """``writes``/``reads``: ``(row, sequence, what)`` with rows >= 0 (``what``: see
+    :func:`_what`). No row written twice; no row written by one sequence and read by another."""
+    writer: dict[int, tuple] = {}
     for row, seq, what in writes:
         if row in writer:
             other_seq, other = writer[row]
-            raise ValueError(f"{what}: row {row} is written twice in one call (sequence {other_seq}: {other}; "
-                             f"sequence {seq}: {what}); every written row must be distinct")
+            raise ValueError(f"{_what(what)}: row {row} is written twice in one call (sequence {other_seq}: "
+                             f"{_what(other)}; sequence {seq}: {_what(what)}); every written row must be distinct")
         writer[row] = (seq, what)
     for row, seq, what in reads:
         if row in writer and writer[row][0] != seq:
             other_seq, other = writer[row]
-            raise ValueError(f"{what}: row {row} is read by sequence {seq} and written by sequence {other_seq} "
-                             f"({other}) in the same call; a fork must write a new row")
+            raise ValueError(f"{_what(what)}: row {row} is read by sequence {seq} and written by sequence "
+                             f"{other_seq} ({_what(other)}) in the same call; a fork must write a new row")
 
 
 def check_pool_args(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
@@ -346,8 +365,9 @@ def _check_decode_values(idx: Tensor, acc: Optional[Tensor], lens: Optional[Sequ
     sequences start from (``initial_state_indices``), or None."""
     num_seqs = idx.shape[0]
     width = 1 if idx.dim() == 1 else idx.shape[1]
-    rows = _host(idx).reshape(num_seqs, width)
-    _check_range("ssm_state_indices", rows if idx.dim() == 2 else rows[:, 0], slots)
+    values = _host(idx).tolist()
+    _check_rows_in_range("ssm_state_indices", values, slots)
+    table = values if idx.dim() == 2 else [[row] for row in values]
     read = [0] * num_seqs
     if acc is not None:
         counts = _host(acc)
@@ -359,18 +379,17 @@ def _check_decode_values(idx: Tensor, acc: Optional[Tensor], lens: Optional[Sequ
         read = [c - 1 for c in counts.tolist()]
     starts = None
     if start is not None:
-        starts = _host(start)
-        _check_range("initial_state_indices", starts, slots)
-        starts = starts.tolist()
+        starts = _host(start).tolist()
+        _check_rows_in_range("initial_state_indices", starts, slots)
     if lens is not None:  # which entries are written follows the lengths
-        table = rows.tolist()
-        writes = [(table[n][j], n, f"ssm_state_indices[{n}, {j}]") for n in range(num_seqs)
+        entry = "ssm_state_indices[{}, {}]"
+        writes = [(table[n][j], n, (entry, n, j)) for n in range(num_seqs)
                   for j in range(lens[n]) if in_place and table[n][j] >= 0]
         if starts is None:
-            reads = [(table[n][read[n]], n, f"ssm_state_indices[{n}, {read[n]}]") for n in range(num_seqs)
+            reads = [(table[n][read[n]], n, (entry, n, read[n])) for n in range(num_seqs)
                      if lens[n] > 0 and table[n][read[n]] >= 0]
         else:
-            reads = [(starts[n], n, f"initial_state_indices[{n}]") for n in range(num_seqs)
+            reads = [(starts[n], n, ("initial_state_indices[{}]", n)) for n in range(num_seqs)
                      if lens[n] > 0 and starts[n] >= 0]
         _check_row_conflicts(writes, reads)
 

@@ -120,3 +120,41 @@ def test_pool_decode_alone_equals_packed(torch_threads, backend: str, width: int
     assert torch.equal(o_packed[:, start:start + width], o_alone)
     written = rows[place][rows[place] >= 0]
     assert torch.equal(packed_pool[written], alone_pool[written])
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_step_into_a_buffer_over_an_fp8_pool_alone_equals_packed(torch_threads, backend: str,
+                                                                      threads: int) -> None:
+    """The serving extras together: a token tree (``retrieve_parent_token``) whose states go
+    to an intermediate buffer, over an fp8 pool; the request alone and packed with four
+    others gives identical outputs, buffer slots and pool rows."""
+    torch_threads(threads)
+    width, place = 3, 2
+    rows = torch.tensor([[0, 5, 6], [1, 7, 8], [2, 9, 10], [3, 11, -1], [4, -1, -1]])
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1], [-1, -1, 1], [-1, 0, 1], [-1, 0, 0]])
+    buffer_rows = torch.tensor([4, 0, 3, 1, 2])
+    request = _tokens(width, seed=40)
+    parts = [_tokens(width, seed=50 + i) for i in range(4)]
+    parts.insert(place, request)
+    packed, cu = _pack(parts)
+
+    def run(tokens: dict, cu_seqlens: torch.Tensor, which: slice):
+        pool = _pool(9).to(torch.float8_e4m3fn)
+        buffer = torch.zeros(5, width, HV, K, V)
+        with torch.no_grad():
+            o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+                **tokens, initial_state=pool, ssm_state_indices=rows[which], cu_seqlens=cu_seqlens,
+                retrieve_parent_token=parents[which], intermediate_states_buffer=buffer,
+                intermediate_state_indices=buffer_rows[which], use_qk_l2norm_in_kernel=True, backend=backend)
+        return o, pool, buffer
+
+    o_alone, pool_alone, buffer_alone = run(request, torch.tensor([0, width]), slice(place, place + 1))
+    o_packed, pool_packed, buffer_packed = run(packed, cu, slice(None))
+    start = int(cu[place])
+    assert torch.equal(o_packed[:, start:start + width], o_alone)
+    written = rows[place][rows[place] >= 0]
+    assert torch.equal(pool_packed[written].view(torch.uint8), pool_alone[written].view(torch.uint8))
+    slot = int(buffer_rows[place])
+    assert torch.equal(buffer_packed[slot], buffer_alone[slot])
+    assert buffer_alone[slot].abs().sum() > 0  # the states were written

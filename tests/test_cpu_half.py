@@ -137,14 +137,16 @@ def test_half_chunk_within_fla_bounds(dtype: torch.dtype, heads: int, v_heads: i
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_chunk_is_the_fp32_chunk_rounded_once(dtype: torch.dtype) -> None:
+def test_half_chunk_is_the_fp32_chunk_rounded_once(monkeypatch, dtype: torch.dtype) -> None:
     """The half path converts each chunk's rows exactly and computes as the fp32 path does:
-    its o, dq, dk and dv are the fp32 path's on the same values, rounded to nearest once."""
+    its o, dq, dk and dv are the fp32 path's on the same values, rounded to nearest once
+    (bfloat16 products in float32: HALF_PRODUCTS 1, as every machine without a pair-dot unit)."""
     x = make_inputs(batch_size=1, seq_len=40, num_qk_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=24,
                     dtype=torch.float64, normalize_qk=True, with_initial_state=True, seed=11)
     half = {n: x[n].to(dtype) if n in "qkv" else x[n].float() for n in FIELDS}
     h0 = (x["initial_state"] * 0.5).float()
     do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    monkeypatch.setattr(kernels, "HALF_PRODUCTS", 1)
     outs = {}
     for name, cast in (("half", lambda t: t), ("fp32", lambda t: t.float())):
         leaves = {n: cast(t).detach().requires_grad_() for n, t in half.items()}
@@ -155,3 +157,56 @@ def test_half_chunk_is_the_fp32_chunk_rounded_once(dtype: torch.dtype) -> None:
     for name, got in outs["half"].items():
         assert got.dtype == dtype, name
         assert torch.equal(got, outs["fp32"][name].to(dtype)), f"{name}: not the fp32 result rounded once"
+
+
+# --- bfloat16 products on a pair-dot unit (VDPBF16PS; csrc/pairdot.h) ---------------------
+
+def _pair_dot_call(x: dict, h0: torch.Tensor, do: torch.Tensor, dht: torch.Tensor, l2norm: bool) -> dict:
+    """Forward (states kept for the backward) and backward of the cpu backend, chunk 16."""
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    leaves["initial_state"] = h0.detach().clone().requires_grad_()
+    o, s = torch_gdr.chunk_gated_delta_rule(*(leaves[n] for n in FIELDS), None, leaves["initial_state"], True,
+                                            use_qk_l2norm_in_kernel=l2norm, chunk_size=16, backend="cpu")
+    ((o.double() * do).sum() + (s.double() * dht).sum()).backward()
+    return dict(o=o.detach(), final_state=s.detach(), **{f"d{n}": t.grad for n, t in leaves.items()})
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["fused", "segmented"])
+@pytest.mark.parametrize("heads, v_heads, l2norm", [(2, 2, False), (1, 2, True)], ids=["mha", "gqa_l2norm"])
+def test_bf16_pair_dot_products_within_fla_bounds(monkeypatch, stages: int, heads: int, v_heads: int,
+                                                  l2norm: bool) -> None:
+    """The bfloat16 forward whose chunk products take bfloat16 operands with float32
+    accumulation (the avx512bf16 variant's path), its pair-dot instruction emulated on AVX2
+    with VDPBF16PS's rounding (so that it runs on every x86 machine), against the float64
+    recurrence on the same rounded inputs at fla's bounds; the backward runs from the chunk
+    states it saved. K = 32, V = 48: column blocks of 32 and 16; T = 45: a padded last chunk."""
+    x64 = make_inputs(batch_size=2, seq_len=45, num_qk_heads=heads, num_v_heads=v_heads, head_k_dim=32,
+                      head_v_dim=48, dtype=torch.float64, normalize_qk=not l2norm, with_initial_state=True, seed=8)
+    x = {n: x64[n].to(torch.bfloat16) if n in "qkv" else x64[n].float() for n in FIELDS}
+    h0 = (x64["initial_state"] * 0.5).float()
+    gen = torch.Generator().manual_seed(6)
+    do = torch.randn(x64["v"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(h0.shape, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(kernels, "STAGES", stages)
+    monkeypatch.setattr(kernels, "HALF_PRODUCTS", 1)
+    converted = _pair_dot_call(x, h0, do, dht, l2norm)
+    monkeypatch.setattr(kernels, "HALF_PRODUCTS", 2)
+    got = _pair_dot_call(x, h0, do, dht, l2norm)
+    # the products did take rounded operands: not the float32 path's result
+    assert not torch.equal(got["o"], converted["o"]) and not torch.equal(got["final_state"], converted["final_state"])
+    if kernels.half_unit():  # a machine with the unit: its results are the emulation's, bit for bit
+        monkeypatch.setattr(kernels, "HALF_PRODUCTS", 0)
+        hardware = _pair_dot_call(x, h0, do, dht, l2norm)
+        for name in ("o", "final_state", "dq", "dk", "dv"):
+            assert torch.equal(hardware[name], got[name]), f"{name}: the unit and its emulation differ"
+    ref_in = {n: x[n].double() for n in FIELDS}
+    if l2norm:
+        ref_in["q"], ref_in["k"] = (torch.nn.functional.normalize(ref_in[n], dim=-1) for n in "qk")
+    ref = _grads(*(ref_in[n] for n in FIELDS), h0.double(), do, dht, None)
+    bounds = dict(o=O_BOUND, final_state=O_BOUND, dv=GRAD_BOUND, dinitial_state=GRAD_BOUND, dg=GATE_GRAD_BOUND,
+                  dbeta=GATE_GRAD_BOUND)
+    if not l2norm:  # the reference's q and k gradients are those of the normalised inputs
+        bounds.update(dq=GRAD_BOUND, dk=GRAD_BOUND)
+    for name, bound in bounds.items():
+        err = rmse_ratio(ref[name], got[name])
+        assert err < bound, f"{name}: rmse ratio {err:.4g} (bound {bound})"

@@ -97,7 +97,7 @@ def _cpu_flags() -> Optional[frozenset[str]]:
 
 
 def variant() -> str:
-    """The instruction-set variant this CPU runs (``"avx512"``, ``"avx2"`` or ``"base"``):
+    """The instruction-set variant this CPU runs (``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"base"``):
     the widest whose features /proc/cpuinfo lists, at most what torch itself dispatches to."""
     try:
         capability: Optional[str] = torch.backends.cpu.get_cpu_capability()

@@ -42,8 +42,11 @@ gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tenso
   p.scale = static_cast<float>(scale);
   p.l2norm = l2norm;
   p.threads = std::max(1, at::get_num_threads());
-  TORCH_CHECK(stages >= 0 && stages <= 2, "stages must be 0 (auto), 1 (fused) or 2 (segmented)");
-  p.stages = static_cast<gdr::Stages>(stages);
+  // stages: bits 0-1 the stages (gdr::Stages), bits 2-3 how bfloat16 products run (gdr::HalfProducts)
+  TORCH_CHECK(stages >= 0 && (stages & 3) <= 2 && (stages >> 2) <= 2,
+              "stages must be 0 (auto), 1 (fused) or 2 (segmented), plus 4 x (0 auto, 1 float32, 2 emulated)");
+  p.stages = static_cast<gdr::Stages>(stages & 3);
+  p.half_products = static_cast<gdr::HalfProducts>(stages >> 2);
   if (cu_seqlens.has_value() && cu_seqlens->defined()) {
     const Tensor cu = cu_seqlens->to(at::kLong).contiguous();
     const int64_t* c = cu.data_ptr<int64_t>();
@@ -258,6 +261,7 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_gdr fused CPU kernels of the chunked gated delta rule";
   m.def("chunk_fwd", &chunk_fwd);
+  m.def("half_unit", [] { return std::string(gdr::half_unit()); });
   m.def("chunk_bwd", &chunk_bwd);
   m.def("recurrent_fwd", &recurrent_fwd);
   m.def("pool_recurrent_fwd", &pool_recurrent_fwd);

@@ -32,6 +32,11 @@ struct Gating {
   float beta_scale = 1.0f;
 };
 
+// How the chunked forward multiplies bfloat16 operands (pairdot.h): Auto uses the machine's
+// pair-dot unit where this variant has one (avx512bf16), else converts the tiles to float32;
+// Float32 always converts; Emulated runs the unit's arithmetic on AVX2 (tests only).
+enum class HalfProducts { Auto = 0, Float32 = 1, Emulated = 2 };
+
 // The shape of one call and its sequences.
 struct Problem {
   DType dtype = DType::Float;
@@ -40,6 +45,7 @@ struct Problem {
   bool l2norm = false;
   int threads = 1;
   Stages stages = Stages::Auto;
+  HalfProducts half_products = HalfProducts::Auto;
   std::vector<int64_t> bos, len;  // per sequence
   Gating gating;
   int64_t num_seqs() const { return static_cast<int64_t>(len.size()); }
@@ -51,6 +57,10 @@ struct Problem {
 // written (float32 [N, HV, K, V]). `chunk_states` may be null; else [total_chunks, HV, K, V].
 void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
                const float* initial, void* o, float* final_state, float* chunk_states);
+
+// The pair-dot unit the bfloat16 chunked forward uses with HalfProducts::Auto where the
+// shapes allow it ("avx512bf16"), or "" where this build has none.
+const char* half_unit();
 
 // Backward from the chunk states the forward saved (required: the caller recomputes them
 // with chunk_fwd when it has none). `grad_final` / `d_initial` may be null.

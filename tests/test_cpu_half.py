@@ -210,3 +210,46 @@ def test_bf16_pair_dot_products_within_fla_bounds(monkeypatch, stages: int, head
     for name, bound in bounds.items():
         err = rmse_ratio(ref[name], got[name])
         assert err < bound, f"{name}: rmse ratio {err:.4g} (bound {bound})"
+
+
+def _words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """int32 words of two bfloat16 tensors, ``lo`` in the low half."""
+    bits = [t.view(torch.int16).to(torch.int32) & 0xFFFF for t in (lo, hi)]
+    return bits[0] | (bits[1] << 16)
+
+
+def _sdm_pair_dot(acc: torch.Tensor, a: tuple, b: tuple, order: str = "hi_first") -> torch.Tensor:
+    """VDPBF16PS as Intel's SDM states it, per lane: ``acc += a.hi * b.hi`` then ``acc += a.lo
+    * b.lo``, each step one float32 FMA rounded to nearest even (here: a float64 sum, exact for
+    the operands' exponent range, rounded to float32), denormal results flushed to zero.
+    ``order``: ``"lo_first"`` or ``"one_rounding"`` (both products, one rounding), models the
+    test tells apart from it."""
+    acc = acc.double()
+    p_lo, p_hi = (x.double() * y.double() for x, y in zip(a, b))  # exact: 8 x 8 significand bits
+    flush = lambda x: torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)  # noqa: E731
+    if order == "one_rounding":
+        return flush((acc + p_hi + p_lo).float())
+    first, second = (p_hi, p_lo) if order == "hi_first" else (p_lo, p_hi)
+    return flush((flush((acc + first).float()).double() + second).float())
+
+
+def test_pair_dot_emulation_rounds_as_the_instruction() -> None:
+    """The AVX2 emulation of VDPBF16PS the pair-dot tests run gives, bit for bit, the SDM's
+    result: the odd (high) pair's product added and rounded first, then the even one's; on a
+    machine with the unit, so does the unit (the emulation's claim checked on hardware)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    scale = lambda: torch.pow(2.0, torch.randint(-6, 7, (n,), generator=gen).float())  # noqa: E731
+    halves = [(torch.randn(n, generator=gen) * scale()).to(torch.bfloat16) for _ in range(4)]
+    a, b = (halves[0], halves[1]), (halves[2], halves[3])
+    acc = torch.randn(n, generator=gen) * scale()
+    want = _sdm_pair_dot(acc, a, b)
+    for other in ("lo_first", "one_rounding"):  # the data tell the orders of rounding apart
+        assert not torch.equal(want, _sdm_pair_dot(acc, a, b, other)), other
+    words_a, words_b = _words(*a), _words(*b)
+    emulated = kernels.pair_dot_lanes(acc, words_a, words_b)
+    if emulated is None:
+        pytest.skip("this build has no AVX2 emulation of the pair-dot unit")
+    assert torch.equal(emulated, want), f"{(emulated != want).sum().item()} of {n} lanes differ from the SDM's"
+    if kernels.half_unit():
+        assert torch.equal(kernels.pair_dot_lanes(acc, words_a, words_b, hardware=True), want)

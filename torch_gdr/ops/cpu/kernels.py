@@ -60,6 +60,16 @@ def half_unit() -> str:
     return _extension().half_unit()
 
 
+def pair_dot_lanes(acc: Tensor, a: Tensor, b: Tensor, hardware: bool = False) -> Optional[Tensor]:
+    """One step of the pair-dot unit per lane (tests): ``acc + a.hi * b.hi + a.lo * b.lo`` as
+    the unit computes it, for ``acc`` float32 ``[n]`` and ``a``, ``b`` int32 ``[n]`` (each word
+    two bfloat16 values, the low half the first), n a multiple of 16. ``hardware``: the
+    machine's unit (:func:`half_unit`), else its AVX2 emulation. None where the loaded
+    kernels have not the one asked for."""
+    out = _extension().pair_dot_lanes(acc.contiguous(), a.contiguous(), b.contiguous(), bool(hardware))
+    return out if out.numel() == acc.numel() else None
+
+
 def _mode() -> int:
     """The kernels' ``stages`` argument: :data:`STAGES` plus 4 x :data:`HALF_PRODUCTS`."""
     return STAGES + 4 * HALF_PRODUCTS

@@ -9,6 +9,32 @@ namespace gdr {
 
 const char* half_unit() { return pairs::kHardware ? "avx512bf16" : ""; }
 
+namespace {
+template <class U>
+void pair_dot_run(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n) {
+  DenormalsAreZero ftz;  // as the kernels run (parallel_items)
+  for (int64_t i = 0; i < n; i += U::kLanes) U::storef(out + i, U::dot(U::loadf(acc + i), U::load(a + i), U::load(b + i)));
+}
+}  // namespace
+
+bool pair_dot_lanes(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n, bool hardware) {
+  if (n % 16 != 0) return false;
+  if (hardware) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    pair_dot_run<pairs::Avx512Bf16>(acc, a, b, out, n);
+    return true;
+#else
+    return false;
+#endif
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  pair_dot_run<pairs::EmulatedBf16>(acc, a, b, out, n);
+  return true;
+#else
+  return false;
+#endif
+}
+
 void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc, bool a_lower) {
   if (micro::kEnabled)

@@ -62,6 +62,12 @@ void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, co
 // shapes allow it ("avx512bf16"), or "" where this build has none.
 const char* half_unit();
 
+// One pair-dot step per lane, for the tests: out[i] = acc[i] + (a_i.hi * b_i.hi + a_i.lo *
+// b_i.lo) as the unit computes it (pairdot.h), a_i and b_i 32-bit words of two bfloat16
+// values, n a multiple of 16. `hardware`: the machine's unit, else its AVX2 emulation.
+// False (out untouched) where this build has not the one asked for.
+bool pair_dot_lanes(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n, bool hardware);
+
 // Backward from the chunk states the forward saved (required: the caller recomputes them
 // with chunk_fwd when it has none). `grad_final` / `d_initial` may be null.
 // dq, dk, dv in scalar_t; dg, dbeta float32. With p.gating, dg and dbeta are the gradients

@@ -255,32 +255,37 @@ def test_pair_dot_emulation_rounds_as_the_instruction() -> None:
         assert torch.equal(kernels.pair_dot_lanes(acc, words_a, words_b, hardware=True), want)
 
 
-def test_bf16_pair_dot_forward_varlen_gated_with_a_nan(monkeypatch) -> None:
+def test_bf16_pair_dot_forward_varlen_gated_and_a_nan(monkeypatch) -> None:
     """The pair path's own chunk loading (csrc/forward.cpp: load_pairs) against the float32
-    path's on the same bfloat16 inputs: packed sequences of uneven lengths, fla's gate and
-    beta activations in the kernel, a NaN in one token's key: the same outputs are NaN, and
-    the finite ones agree within fla's bound (inference: chunks of 32)."""
+    path's on the same bfloat16 inputs (inference: chunks of 32), packed sequences of uneven
+    lengths: with fla's gate and beta activations in the kernel (the exported call), and
+    with a NaN in one token's key (the kernel entry itself: a call whose outputs are not
+    finite runs again on sanitised inputs), the same outputs not finite, the finite ones
+    within fla's bound of each other."""
     lens = [37, 80, 19]
     x = make_inputs(seqlens=lens, num_qk_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32,
                     dtype=torch.float32, seed=4)
     cu = x.pop("cu_seqlens")
     gen = torch.Generator().manual_seed(9)
     q, k, v = (x[n].to(torch.bfloat16) for n in "qkv")
-    k[0, 50, 1, 3] = float("nan")  # sequence 1, its token 13, query/key head 1 (value heads 2, 3)
     raw_gate, beta_logits = torch.randn(x["g"].shape, generator=gen), torch.randn(x["beta"].shape, generator=gen)
     a_log, dt_bias = torch.rand(4, generator=gen).log(), torch.randn(4, generator=gen)
+    bad_k = k.clone()
+    bad_k[0, 50, 1, 3] = float("nan")  # sequence 1, its token 13, query/key head 1 (value heads 2, 3)
     outs = {}
     for mode in (1, 2):
         monkeypatch.setattr(kernels, "HALF_PRODUCTS", mode)
         with torch.no_grad():
-            outs[mode] = torch_gdr.chunk_gated_delta_rule(
+            gated = torch_gdr.chunk_gated_delta_rule(
                 q, k, v, raw_gate, beta_logits, None, None, True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                 use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
                 backend="cpu")
-    (o32, s32), (o16, s16) = outs[1], outs[2]
-    assert o16.dtype == torch.bfloat16
-    assert torch.isnan(o32[0, 50:117, 2:]).all() and torch.isfinite(o32[0, :50]).all()  # the case is what it says
-    for want, got, what in ((o32, o16, "o"), (s32, s16, "final state")):
+            nan = kernels.chunk_fwd(q, bad_k, v, x["g"], x["beta"], None, None, True, cu, 32, False)[:2]
+        outs[mode] = (*gated, *nan)
+    assert outs[2][0].dtype == torch.bfloat16
+    o_nan = outs[1][2]
+    assert torch.isnan(o_nan[0, 50:117, 2:]).all() and torch.isfinite(o_nan[0, :50]).all()  # the case it says
+    for what, want, got in zip(("o", "final state", "o (NaN key)", "final state (NaN key)"), outs[1], outs[2]):
         assert torch.equal(torch.isfinite(want), torch.isfinite(got)), f"{what}: not finite elsewhere"
         finite = torch.isfinite(want)
         err = rmse_ratio(want[finite].double(), got[finite].double())

@@ -185,6 +185,20 @@ def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, refusing_compil
 
 
 @pytest.mark.filterwarnings("ignore::torch_gdr.CpuKernelBuildWarning")
+def test_a_cpu_whose_variant_neither_shipped_nor_builds_runs_the_next_one_shipped(
+        fresh_build, refusing_compiler, monkeypatch) -> None:
+    """A wheel whose compiler could not build avx512bf16 (old compilers lack -mavx512bf16),
+    on a CPU that runs it, without a working compiler: the shipped avx512 module, not none."""
+    shipped = object()
+    monkeypatch.setattr(fresh_build, "variant", lambda: "avx512bf16")
+    monkeypatch.setattr(fresh_build, "_prebuilt", lambda name: (shipped, None) if name == "avx512" else (None, None))
+    with pytest.warns(torch_gdr.CpuKernelBuildWarning):
+        assert fresh_build.load() is shipped
+    assert fresh_build.unavailable_reason() is None
+    assert fresh_build.origin().startswith("prebuilt, the 'avx512' variant ('avx512bf16': the C++ build failed")
+    assert _variants.narrower("avx512bf16", "x86_64") == ("avx512", "avx2", "base")
+
+
 def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, refusing_compiler) -> None:
     """cpp_extension's baton (a file named ``lock`` whose existence is the lock) outlives a
     build killed midway; the next first-use build goes ahead rather than wait on it forever."""

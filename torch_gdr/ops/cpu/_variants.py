@@ -79,6 +79,13 @@ def names(machine: Optional[str] = None) -> tuple[str, ...]:
     return tuple(X86_FLAGS) if is_x86_64(machine) else ("base",)
 
 
+def narrower(variant: str, machine: Optional[str] = None) -> tuple[str, ...]:
+    """The variants after ``variant`` in :func:`names` (narrower ones, which a CPU that runs
+    ``variant`` runs too), widest first."""
+    order = names(machine)
+    return order[order.index(variant) + 1:] if variant in order else ()
+
+
 def module_name(variant: str) -> str:
     """The extension module of ``variant``, inside ``torch_gdr.ops.cpu``: ``_C_<variant>``."""
     return f"_C_{variant}"

@@ -2,8 +2,8 @@
 
 The fused CPU kernels (C++/OpenMP, ``torch_gdr/ops/cpu/csrc``) are compiled here when torch
 is importable at build time and a C++ compiler works: one extension module per
-instruction-set variant (``torch_gdr.ops.cpu._C_avx512``, ``_C_avx2``, ``_C_base`` on x86-64;
-``_C_base`` elsewhere), the running CPU choosing among them. Where either is missing (pip's
+instruction-set variant (``torch_gdr.ops.cpu._C_avx512bf16``, ``_C_avx512``, ``_C_avx2``,
+``_C_base`` on x86-64; ``_C_base`` elsewhere), the running CPU choosing among them. Where either is missing (pip's
 build isolation hides the installed torch: install with ``--no-build-isolation`` to prebuild),
 or a variant fails to compile, the install still succeeds, with a note, and the kernels are
 built at first use instead. The sources ship as package data in every case, so that first-use

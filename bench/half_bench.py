@@ -9,7 +9,10 @@ Parts (``--part``):
 - ``gemm``: ``torch.mm`` 2048 x 2048, bfloat16 against float32 (which acceptance line of
   the issue applies to this machine).
 - ``chunk``: the chunked forward (``backend="cpu"``) and forward + backward at T = 4096,
-  H16/HV32 and H4/HV4, K = V = 128, bfloat16 / float16 inputs against float32.
+  H16/HV32 and H4/HV4, K = V = 128, bfloat16 / float16 inputs against float32. The backward
+  runs from given gradients in o's dtype (``--loss grad``), or from the float32 loss
+  ``(o.float() ** 2).sum() + s.sum()`` (``--loss square``), whose cast and float32 gradient
+  a half o pays for and a float32 o does not.
 
 Every round times each variant once, in an order reversed every round; the figures are the
 medians of the per-round ratios.
@@ -121,7 +124,7 @@ def gemm_part(rounds: int, n: int = 2048) -> None:
 
 
 def chunk_part(rounds: int, seq_len: int, shapes: tuple[tuple[int, int], ...], dim: int = 128,
-               backward: bool = True) -> None:
+               backward: bool = True, loss: str = "grad") -> None:
     for heads, v_heads in shapes:
         gen = torch.Generator().manual_seed(1)
         base = dict(q=F.normalize(torch.randn(1, seq_len, heads, dim, generator=gen), dim=-1),
@@ -138,18 +141,25 @@ def chunk_part(rounds: int, seq_len: int, shapes: tuple[tuple[int, int], ...], d
                 torch_gdr.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
                                                  backend="cpu")
 
-        def fwd_bwd(x) -> None:
+        grads = {name: (torch.randn(base["v"].shape, generator=gen).to(x["v"].dtype),
+                        torch.randn(1, v_heads, dim, dim, generator=gen)) for name, x in inputs.items()}
+
+        def fwd_bwd(x, name) -> None:
             xs = {n: t.detach().requires_grad_() for n, t in x.items()}
             o, s = torch_gdr.chunk_gated_delta_rule(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"],
                                                     output_final_state=True, backend="cpu")
-            (o.float().square().sum() + s.sum()).backward()
+            if loss == "square":  # a float32 loss: o's gradient reaches a half o through a cast
+                (o.float().square().sum() + s.sum()).backward()
+            else:  # given gradients in o's dtype: the op's forward and backward alone
+                torch.autograd.backward([o, s], list(grads[name]))
 
         kinds = {"fwd": fwd, "fwd+bwd": fwd_bwd} if backward else {"fwd": fwd}
         for kind, fn in kinds.items():
-            calls = {name: (lambda x=x, fn=fn: fn(x)) for name, x in inputs.items()}
+            calls = {name: (lambda x=x, fn=fn, name=name: fn(x) if fn is fwd else fn(x, name))
+                     for name, x in inputs.items()}
             times = alternate(calls, rounds, warmup=1)
             med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-            print(f"chunk {kind} T={seq_len} H{heads}/HV{v_heads}: " + ", ".join(f"{n} {m:.1f} ms" for n, m in med.items())
+            print(f"chunk {kind}{'' if kind == 'fwd' else ' (' + loss + ')'} T={seq_len} H{heads}/HV{v_heads}: " + ", ".join(f"{n} {m:.1f} ms" for n, m in med.items())
                   + f"; bf16/fp32 {ratio(times, 'bf16', 'fp32'):.3f}, fp16/fp32 {ratio(times, 'fp16', 'fp32'):.3f}"
                   f" (target <= 1.0 without half units); CPU time: bf16/fp32 {cpu_ratio('bf16', 'fp32'):.3f}, "
                   f"fp16/fp32 {cpu_ratio('fp16', 'fp32'):.3f}")
@@ -163,6 +173,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--loss", choices=("grad", "square"), default="grad",
+                        help="fwd+bwd: given gradients in o's dtype (the op alone), or the float32 loss "
+                             "(o.float() ** 2).sum() + s.sum() of the earlier measurements")
+    parser.add_argument("--shapes", default="16/32,4/4", help="H/HV pairs, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_name())
@@ -171,7 +185,8 @@ def main() -> None:
     if args.part in ("gemm", "all"):
         gemm_part(args.rounds)
     if args.part in ("chunk", "all"):
-        chunk_part(args.rounds, args.seq_len, ((16, 32), (4, 4)), backward=not args.no_backward)
+        shapes = tuple(tuple(int(n) for n in pair.split("/")) for pair in args.shapes.split(","))
+        chunk_part(args.rounds, args.seq_len, shapes, backward=not args.no_backward, loss=args.loss)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,45 @@ def test_the_widest_variant_the_cpu_has_is_chosen(flags, capability, expected) -
     assert chosen == expected
 
 
+# CPUs as their /proc/cpuinfo lists them (the features that matter here, written out by
+# hand): the variant each runs, and what torch's dispatch level (ATEN_CPU_CAPABILITY) does to it.
+_ZEN3 = _V3 | {"sse4a", "sha_ni", "vaes", "vpclmulqdq"}  # AVX2, no AVX-512
+_ZEN4 = _V4 | {"avx512_bf16", "avx512_vnni", "avx512_bitalg", "avx512vbmi", "gfni"}  # Zen 4 and 5
+_SKYLAKE_X = _V4 | {"avx512_vnni"}  # AVX-512 without BF16 (Skylake-X, Cascade Lake, Ice Lake)
+_SAPPHIRE_RAPIDS = _V4 | {"avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}
+_OLD_SSE = {"fpu", "sse", "sse2", "pni"}  # an x86-64 of 2005: SSE3, nothing of x86-64-v2
+
+
+@pytest.mark.parametrize("flags, capability, machine, expected", [
+    (_ZEN3, "AVX2", "x86_64", "avx2"),
+    (_ZEN4, "AVX512", "x86_64", "avx512bf16"),
+    (_SAPPHIRE_RAPIDS, "AVX512", "x86_64", "avx512bf16"),  # AMX CPUs list avx512_bf16: no tile variant
+    (_SKYLAKE_X, "AVX512", "x86_64", "avx512"),
+    (_OLD_SSE, "DEFAULT", "x86_64", "base"),
+    (_ZEN4 - {"avx512bw"}, "AVX512", "x86_64", "avx2"),  # BF16 without the rest of x86-64-v4
+    (_ZEN4, "AVX2", "x86_64", "avx2"),  # ATEN_CPU_CAPABILITY=avx2 caps an avx512_bf16 CPU
+    (_SAPPHIRE_RAPIDS, "AVX2", "x86_64", "avx2"),
+    (_ZEN4, "DEFAULT", "x86_64", "base"),
+    (_ZEN3, "AVX512", "x86_64", "avx2"),  # torch's level never raises past the CPU's features
+    (None, "AVX512", "x86_64", "avx512"),  # torch's AVX512 alone does not prove AVX512-BF16
+    (frozenset({"fp", "asimd", "bf16", "sve"}), "DEFAULT", "aarch64", "base"),  # not x86
+    (_ZEN4, "AVX512", "aarch64", "base"),
+], ids=["zen3", "zen4_zen5", "sapphire_rapids_amx", "skylake_x", "old_sse", "bf16_without_v4", "zen4_capped_avx2",
+        "amx_capped_avx2", "zen4_capped_default", "zen3_torch_avx512", "no_cpuinfo", "arm", "arm_with_x86_flags"])
+def test_each_cpu_runs_its_variant(flags, capability, machine, expected) -> None:
+    chosen = _variants.choose(None if flags is None else frozenset(flags), capability, machine=machine)
+    assert chosen == expected
+    if flags is not None and chosen != "base":  # what the chosen variant is built for, the CPU has
+        assert _variants.X86_REQUIRES[chosen] <= frozenset(flags)
+
+
+def test_the_bf16_variant_is_built_for_the_bf16_unit() -> None:
+    flags = _variants.compile_flags("avx512bf16", "x86_64")
+    assert "-march=x86-64-v4" in flags and "-mavx512bf16" in flags
+    assert _variants.names("x86_64")[0] == "avx512bf16"  # widest first: tried first
+    assert "-mavx512bf16" not in _variants.compile_flags("avx512", "x86_64")
+
+
 def test_other_architectures_build_and_choose_the_default_flags_only() -> None:
     assert _variants.names("aarch64") == ("base",)
     assert _variants.choose(frozenset(_V4), "AVX512", machine="aarch64") == "base"
@@ -146,6 +185,20 @@ def test_a_failed_build_leaves_its_log_and_names_it(fresh_build, refusing_compil
 
 
 @pytest.mark.filterwarnings("ignore::torch_gdr.CpuKernelBuildWarning")
+def test_a_cpu_whose_variant_neither_shipped_nor_builds_runs_the_next_one_shipped(
+        fresh_build, refusing_compiler, monkeypatch) -> None:
+    """A wheel whose compiler could not build avx512bf16 (old compilers lack -mavx512bf16),
+    on a CPU that runs it, without a working compiler: the shipped avx512 module, not none."""
+    shipped = object()
+    monkeypatch.setattr(fresh_build, "variant", lambda: "avx512bf16")
+    monkeypatch.setattr(fresh_build, "_prebuilt", lambda name: (shipped, None) if name == "avx512" else (None, None))
+    with pytest.warns(torch_gdr.CpuKernelBuildWarning):
+        assert fresh_build.load() is shipped
+    assert fresh_build.unavailable_reason() is None
+    assert fresh_build.origin().startswith("prebuilt, the 'avx512' variant ('avx512bf16': the C++ build failed")
+    assert _variants.narrower("avx512bf16", "x86_64") == ("avx512", "avx2", "base")
+
+
 def test_a_baton_left_by_a_killed_build_does_not_hang_the_next(fresh_build, refusing_compiler) -> None:
     """cpp_extension's baton (a file named ``lock`` whose existence is the lock) outlives a
     build killed midway; the next first-use build goes ahead rather than wait on it forever."""

@@ -124,3 +124,30 @@ def test_packed_views_are_not_copied(backend: str, name: str, heads: int) -> Non
         call(q, k, v, g, beta), call(*dense, g, beta)  # warm: first calls build cached tensors
         extra = _copies(lambda: call(q, k, v, g, beta)) - _copies(lambda: call(*dense, g, beta))
     assert not extra, f"copies the strided views add: {dict(extra)}"
+
+
+@pytest.mark.parametrize("half_products", [1, 2], ids=["float32-tiles", "pair-dot-emulated"])
+def test_bf16_prefill_reads_packed_views_as_their_copies(half_products: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bfloat16 chunked forward on the ``cpu`` backend, on both of its tile paths (the
+    pair-dot path emulated where the machine has no unit), gives the same bits for q, k, v
+    viewed out of one packed tensor as for contiguous copies of them (shapes where the pair
+    path runs: K, V multiples of 16)."""
+    from torch_gdr.ops.cpu import kernels
+
+    monkeypatch.setattr(kernels, "HALF_PRODUCTS", half_products)
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, v_heads, dim = 40, 2, 4, 16
+    mixed = torch.randn(tokens, 2 * heads * dim + v_heads * dim, generator=gen).bfloat16()
+    q = mixed[:, :heads * dim].view(1, tokens, heads, dim)
+    k = mixed[:, heads * dim:2 * heads * dim].view(1, tokens, heads, dim)
+    v = mixed[:, 2 * heads * dim:].view(1, tokens, v_heads, dim)
+    g = -torch.rand(1, tokens, v_heads, generator=gen)
+    beta = torch.rand(1, tokens, v_heads, generator=gen)
+    cu = torch.tensor([0, 17, 40])
+    with torch.no_grad():
+        o_view, s_view = torch_gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cpu",
+                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_copy, s_copy = torch_gdr.chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
+                                                          cu_seqlens=cu, backend="cpu", output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o_view, o_copy) and torch.equal(s_view, s_copy)

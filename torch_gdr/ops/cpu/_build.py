@@ -97,7 +97,7 @@ def _cpu_flags() -> Optional[frozenset[str]]:
 
 
 def variant() -> str:
-    """The instruction-set variant this CPU runs (``"avx512"``, ``"avx2"`` or ``"base"``):
+    """The instruction-set variant this CPU runs (``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"base"``):
     the widest whose features /proc/cpuinfo lists, at most what torch itself dispatches to."""
     try:
         capability: Optional[str] = torch.backends.cpu.get_cpu_capability()
@@ -262,13 +262,15 @@ def _build_at_first_use(passed_over: Optional[str] = None) -> tuple[Optional[Mod
 
 def load() -> Optional[ModuleType]:
     """The extension of this CPU's variant: the install-time one where it fits, else built
-    in the cache on first use; None when neither is possible (see :func:`unavailable_reason`)."""
+    in the cache on first use, else the install-time module of the widest narrower variant
+    the CPU runs; None when none is possible (see :func:`unavailable_reason`)."""
     if _state.tried:
         return _state.module
     with _lock:
         if _state.tried:
             return _state.module
-        module, passed_over = _prebuilt(variant())
+        chosen = variant()
+        module, passed_over = _prebuilt(chosen)
         if module is not None:
             _state.module, _state.origin = module, "prebuilt"
         else:
@@ -277,6 +279,14 @@ def load() -> Optional[ModuleType]:
                 _state.module, _state.origin = module, f"built at first use into {build_dir()}"
             else:
                 _state.failure = failure if passed_over is None else f"{failure} ({passed_over})"
+                # e.g. a wheel whose compiler could not build avx512bf16, on a CPU that runs it:
+                # the install-time avx512 module rather than none
+                for narrower in _variants.narrower(chosen):
+                    module, _ = _prebuilt(narrower)
+                    if module is not None:
+                        _state.module, _state.failure = module, None
+                        _state.origin = f"prebuilt, the {narrower!r} variant ({chosen!r}: {failure})"
+                        break
         _state.tried = True
         return _state.module
 

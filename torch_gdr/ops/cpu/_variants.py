@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 
 #: The translation units of the extension, and the headers they include (under ``csrc/``).
 SOURCES: tuple[str, ...] = ("binding.cpp", "forward.cpp", "backward.cpp", "recurrent.cpp", "pool.cpp")
-HEADERS: tuple[str, ...] = ("gdr_cpu.h", "common.h", "microgemm.h", "token_block.h", "fp8.h")
+HEADERS: tuple[str, ...] = ("gdr_cpu.h", "common.h", "microgemm.h", "pairdot.h", "token_block.h", "fp8.h")
 
 #: Flags of every variant: optimised, OpenMP, no errno from the math functions (which would
 #: keep ``exp`` out of vectorised loops), no debug information in what ships.
@@ -36,7 +36,12 @@ LINK_FLAGS: tuple[str, ...] = ("-fopenmp",)
 
 #: The x86-64 variants, widest first, and the flags that select their instruction set.
 #: GCC tunes AVX-512 code to 256-bit vectors unless asked: the kernels' loops gain from 512.
+#: ``avx512bf16`` is x86-64-v4 with AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake, and the
+#: Intel Xeons with AMX from Sapphire Rapids on, which list avx512_bf16 too and run this
+#: variant: no AMX tile code is built): its bfloat16 chunked forward computes the chunk
+#: products from bfloat16 operands with ``vdpbf16ps`` (csrc/pairdot.h).
 X86_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mprefer-vector-width=512"),
     "avx512": ("-march=x86-64-v4", "-mprefer-vector-width=512"),
     "avx2": ("-march=x86-64-v3",),
     "base": (),
@@ -47,10 +52,14 @@ X86_FLAGS: dict[str, tuple[str, ...]] = {
 _X86_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-X86_REQUIRES: dict[str, frozenset[str]] = {"avx512": _X86_V4, "avx2": _X86_V3, "base": frozenset()}
+X86_REQUIRES: dict[str, frozenset[str]] = {
+    "avx512bf16": _X86_V4 | {"avx512_bf16"}, "avx512": _X86_V4, "avx2": _X86_V3, "base": frozenset()}
 
-#: torch.backends.cpu.get_cpu_capability()'s answers and the variant each allows at most.
-_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}
+#: torch.backends.cpu.get_cpu_capability()'s answers and the variant each allows at most
+#: (torch has no level of its own for AVX512-BF16: its AVX512 allows it)...
+_TORCH_CAPABILITY = {"AVX512": "avx512bf16", "AVX2": "avx2"}
+#: ... and the variant each proves the CPU runs, where /proc/cpuinfo cannot be read.
+_TORCH_IMPLIES = {"AVX512": "avx512", "AVX2": "avx2"}
 
 #: The file, beside the install-time built modules, that records what they were built from.
 METADATA_FILE = "_C_build.json"
@@ -68,6 +77,13 @@ def is_x86_64(machine: Optional[str] = None) -> bool:
 def names(machine: Optional[str] = None) -> tuple[str, ...]:
     """The variants built for ``machine`` (default: this one), widest first."""
     return tuple(X86_FLAGS) if is_x86_64(machine) else ("base",)
+
+
+def narrower(variant: str, machine: Optional[str] = None) -> tuple[str, ...]:
+    """The variants after ``variant`` in :func:`names` (narrower ones, which a CPU that runs
+    ``variant`` runs too), widest first."""
+    order = names(machine)
+    return order[order.index(variant) + 1:] if variant in order else ()
 
 
 def module_name(variant: str) -> str:
@@ -109,14 +125,13 @@ def choose(cpu_flags: Optional[frozenset[str]], torch_capability: Optional[str],
     if not is_x86_64(machine):
         return "base"
     order = list(X86_FLAGS)  # widest first
-    candidates = []
-    if cpu_flags is not None:
-        candidates.append(next(v for v in order if X86_REQUIRES[v] <= cpu_flags))
-    if torch_capability is not None:
-        candidates.append(_TORCH_CAPABILITY.get(torch_capability.upper(), "base"))
-    if not candidates:
-        return "base"
-    return max(candidates, key=order.index)  # the narrowest of the answers
+    capability = None if torch_capability is None else torch_capability.upper()
+    if cpu_flags is None:  # torch's answer alone, for what it proves
+        return "base" if capability is None else _TORCH_IMPLIES.get(capability, "base")
+    chosen = next(v for v in order if X86_REQUIRES[v] <= cpu_flags)
+    if capability is not None:  # the narrower of the two answers
+        chosen = max(chosen, _TORCH_CAPABILITY.get(capability, "base"), key=order.index)
+    return chosen
 
 
 def source_hash(source_dir: Path) -> str:

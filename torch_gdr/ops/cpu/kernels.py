@@ -29,6 +29,12 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: units keep every thread busy, else over segments with the intra-chunk part parallel over
 #: chunks), 1 forces the first, 2 the second. Tests set it to cover both.
 STAGES = 0
+#: How the bfloat16 chunked forward multiplies: 0 on the machine's pair-dot unit where the
+#: loaded variant has one (``avx512bf16``: VDPBF16PS, bfloat16 operands, float32
+#: accumulation) and the shapes fit (chunk, K, V multiples of 16), else in float32 after
+#: converting the tiles; 1 always in float32; 2 with the pair-dot unit's arithmetic emulated
+#: on AVX2 (csrc/pairdot.h), which tests set to run that path on machines without the unit.
+HALF_PRODUCTS = 0
 #: The longest chunk the kernels run a forward that keeps no chunk states with (inference).
 #: Its intra-chunk work per token grows with the chunk while the state scan's does not, so
 #: shorter chunks cost less; the result does not depend on the chunk up to rounding. A
@@ -46,6 +52,27 @@ def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False (no compiler, a build failure...), or None."""
     available()
     return _build.unavailable_reason()
+
+
+def half_unit() -> str:
+    """The pair-dot unit the loaded kernels' bfloat16 forward runs on (``"avx512bf16"``), or
+    ``""`` where they convert bfloat16 tiles to float32 (see :data:`HALF_PRODUCTS`)."""
+    return _extension().half_unit()
+
+
+def pair_dot_lanes(acc: Tensor, a: Tensor, b: Tensor, hardware: bool = False) -> Optional[Tensor]:
+    """One step of the pair-dot unit per lane (tests): ``acc + a.hi * b.hi + a.lo * b.lo`` as
+    the unit computes it, for ``acc`` float32 ``[n]`` and ``a``, ``b`` int32 ``[n]`` (each word
+    two bfloat16 values, the low half the first), n a multiple of 16. ``hardware``: the
+    machine's unit (:func:`half_unit`), else its AVX2 emulation. None where the loaded
+    kernels have not the one asked for."""
+    out = _extension().pair_dot_lanes(acc.contiguous(), a.contiguous(), b.contiguous(), bool(hardware))
+    return out if out.numel() == acc.numel() else None
+
+
+def _mode() -> int:
+    """The kernels' ``stages`` argument: :data:`STAGES` plus 4 x :data:`HALF_PRODUCTS`."""
+    return STAGES + 4 * HALF_PRODUCTS
 
 
 def _extension():
@@ -141,7 +168,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     q, k, v, g, beta, cu = _prepare_views(q, k, v, g, beta, cu_seqlens)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
                                            bool(use_qk_l2norm), cu, forward_chunk_size(chunk_size, save_states),
-                                           bool(save_states), True, STAGES, *_gating_args(gating))
+                                           bool(save_states), True, _mode(), *_gating_args(gating))
     return o, final_state, (states if save_states else None)
 
 
@@ -169,7 +196,7 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     scale_ = _scale(scale, q)
     if chunk_states is None:
         _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
-                                           cu, int(chunk_size), True, False, STAGES, *gating_args)
+                                           cu, int(chunk_size), True, False, _mode(), *gating_args)
     else:
         expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
         if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:
@@ -177,7 +204,7 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
                              f"{chunk_states.dtype} of shape {list(chunk_states.shape)}")
     grads = ext.chunk_bwd(grad_o.to(v.dtype).contiguous(), _state(grad_final_state), q_, k_, v_, g_, beta_, scale_,
                           initial_state is not None, bool(use_qk_l2norm), cu, int(chunk_size),
-                          chunk_states.contiguous(), STAGES, *gating_args)
+                          chunk_states.contiguous(), _mode(), *gating_args)
     out = [t.to(dtype) for t, dtype in zip(grads[:5], dtypes)]
     d_initial = grads[5].to(initial_state.dtype) if initial_state is not None else None
     if gating is None or not gating.gated:

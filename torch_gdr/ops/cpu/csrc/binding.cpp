@@ -43,8 +43,11 @@ gdr::Problem make_problem(const Tensor& q, const Tensor& v, const optional<Tenso
   p.l2norm = l2norm;
   p.threads = std::max(1, at::get_num_threads());
   p.strides = {p.H * p.K, p.K, p.H * p.K, p.K, p.HV * p.V, p.V, p.HV, 1, p.HV, 1};  // contiguous
-  TORCH_CHECK(stages >= 0 && stages <= 2, "stages must be 0 (auto), 1 (fused) or 2 (segmented)");
-  p.stages = static_cast<gdr::Stages>(stages);
+  // stages: bits 0-1 the stages (gdr::Stages), bits 2-3 how bfloat16 products run (gdr::HalfProducts)
+  TORCH_CHECK(stages >= 0 && (stages & 3) <= 2 && (stages >> 2) <= 2,
+              "stages must be 0 (auto), 1 (fused) or 2 (segmented), plus 4 x (0 auto, 1 float32, 2 emulated)");
+  p.stages = static_cast<gdr::Stages>(stages & 3);
+  p.half_products = static_cast<gdr::HalfProducts>(stages >> 2);
   if (cu_seqlens.has_value() && cu_seqlens->defined()) {
     const Tensor cu = cu_seqlens->to(at::kLong).contiguous();
     const int64_t* c = cu.data_ptr<int64_t>();
@@ -328,11 +331,29 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
   return o;
 }
 
+// One pair-dot step per lane (tests; gdr::pair_dot_lanes): acc float32 [n], a and b int32 [n]
+// (words of two bfloat16 values), n a multiple of 16 -> float32 [n], or an empty tensor where
+// this build has not the unit asked for (`hardware`: the machine's, else the AVX2 emulation).
+Tensor pair_dot_lanes(const Tensor& acc, const Tensor& a, const Tensor& b, bool hardware) {
+  const int64_t n = acc.numel();
+  check(acc, "acc", at::kFloat, n);
+  check(a, "a", at::kInt, n);
+  check(b, "b", at::kInt, n);
+  TORCH_CHECK(n % 16 == 0, "acc: expected a multiple of 16 elements, got ", n);
+  Tensor out = at::empty_like(acc);
+  const bool ran = gdr::pair_dot_lanes(acc.data_ptr<float>(), reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>()),
+                                       reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>()),
+                                       out.data_ptr<float>(), n, hardware);
+  return ran ? out : at::empty({0}, acc.options());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_gdr fused CPU kernels of the chunked gated delta rule";
   m.def("chunk_fwd", &chunk_fwd);
+  m.def("half_unit", [] { return std::string(gdr::half_unit()); });
+  m.def("pair_dot_lanes", &pair_dot_lanes);
   m.def("chunk_bwd", &chunk_bwd);
   m.def("recurrent_fwd", &recurrent_fwd);
   m.def("pool_recurrent_fwd", &pool_recurrent_fwd);

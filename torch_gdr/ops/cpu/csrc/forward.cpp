@@ -3,8 +3,37 @@
 // state scan, which also writes the outputs (each state stays in the thread's cache).
 #include "common.h"
 #include "microgemm.h"
+#include "pairdot.h"
 
 namespace gdr {
+
+const char* half_unit() { return pairs::kHardware ? "avx512bf16" : ""; }
+
+namespace {
+template <class U>
+void pair_dot_run(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n) {
+  DenormalsAreZero ftz;  // as the kernels run (parallel_items)
+  for (int64_t i = 0; i < n; i += U::kLanes) U::storef(out + i, U::dot(U::loadf(acc + i), U::load(a + i), U::load(b + i)));
+}
+}  // namespace
+
+bool pair_dot_lanes(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n, bool hardware) {
+  if (n % 16 != 0) return false;
+  if (hardware) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    pair_dot_run<pairs::Avx512Bf16>(acc, a, b, out, n);
+    return true;
+#else
+    return false;
+#endif
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  pair_dot_run<pairs::EmulatedBf16>(acc, a, b, out, n);
+  return true;
+#else
+  return false;
+#endif
+}
 
 void gemm_small(bool trans_a, int64_t m, int64_t n, int64_t kd, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc, bool a_lower) {
@@ -85,12 +114,31 @@ void unit_lower_inverse_dispatch(const float* gram, const float* beta, float* in
 }
 #endif
 
+// G = strictly_lower(K K^T * Gamma) and P = scale (y_q K^T) * Gamma on and below the
+// diagonal (with_query), from sim = [y_q K^T; K K^T]: masks by selection, never by
+// multiplying with 0 (0 * inf is NaN).
+void tile_masks(const Tile& t, float scale, bool with_query, const float* sim, float* gram, float* attn) {
+  const int64_t C = t.C;
+  for (int64_t r = 0; r < C; ++r) {
+    const float* kk = sim + (C + r) * C;
+    const float* gr = t.gam + r * C;
+    float* out = gram + r * C;
+#pragma omp simd
+    for (int64_t s = 0; s < C; ++s) out[s] = s < r ? kk[s] * gr[s] : 0.0f;
+    if (with_query) {
+      const float* qk = sim + r * C;
+      float* a = attn + r * C;
+#pragma omp simd
+      for (int64_t s = 0; s < C; ++s) a[s] = s <= r ? scale * qk[s] * gr[s] : 0.0f;
+    }
+  }
+}
+
 }  // namespace
 
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
                 float* tb, float* u, float* w, float w_alpha) {
   const int64_t C = t.C, K = t.K, V = t.V;
-  const float* gam = t.gam;
   // Q K^T and K K^T (only the key rows without the query), on and below the diagonal: the
   // micro-kernels read K^T, transposed once into the thread's buffer.
   if (micro::kEnabled) {
@@ -105,20 +153,7 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
   } else {
     gemm(false, true, C, C, K, 1.0f, t.key(), K, t.key(), K, 0.0f, sim + C * C, C);
   }
-  // Masks by selection, never by multiplying with 0 (0 * inf is NaN).
-  for (int64_t r = 0; r < C; ++r) {
-    const float* kk = sim + (C + r) * C;
-    const float* gr = gam + r * C;
-    float* out = gram + r * C;
-#pragma omp simd
-    for (int64_t s = 0; s < C; ++s) out[s] = s < r ? kk[s] * gr[s] : 0.0f;
-    if (with_query) {
-      const float* qk = sim + r * C;
-      float* a = attn + r * C;
-#pragma omp simd
-      for (int64_t s = 0; s < C; ++s) a[s] = s <= r ? scale * qk[s] * gr[s] : 0.0f;
-    }
-  }
+  tile_masks(t, scale, with_query, sim, gram, attn);
   // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
   unit_lower_inverse_dispatch(gram, t.beta, inv, C);
   // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K: the factors scale T's columns.
@@ -255,6 +290,253 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
   }
 }
 
+// --- the bfloat16 forward on a pair-dot unit (pairdot.h) ---------------------------------
+//
+// Every chunk product takes bfloat16 operands and accumulates in float32, as fla's kernels
+// do: q, k, v as given (q and k l2-normalised first where asked, then rounded, as fla's
+// l2norm kernel returns them), and the float32 intermediates rounded to bfloat16 only as a
+// product's operand: T diag(beta) (and its exp(gamma) columns), W, P, V' and the state S,
+// which is carried in float32 between chunks (fla's chunk_delta_h: dot(w, h.to(w.dtype))).
+// The masks, the decays and the triangular inverse stay in float32.
+
+using pairs::u16;
+using pairs::u32;
+
+// Chunk sizes and head dims the pair path takes: whole vectors of the unit's lanes.
+bool pairs_fit(const Problem& p) {
+  constexpr int64_t L = 16;
+  return p.C >= L && p.C % L == 0 && p.K % L == 0 && p.V % L == 0;
+}
+
+// Per (chunk, value head) intermediates of the pair path, from stage 1 to the scan.
+struct PairItem {
+  int64_t C, K, V;
+  static int64_t floats(int64_t C, int64_t K, int64_t V) { return 2 * C * V + 2 * C + 16 + (3 * C * K + C * C) / 2; }
+  float* base;
+  float* ou() const { return base; }                   // [2C, V] float32: rows :C O, rows C: U, then V'
+  float* u() const { return base + C * V; }
+  float* qscale() const { return base + 2 * C * V; }   // [C]: scale exp(gamma_r), O's row scale
+  float* kdec() const { return qscale() + C; }         // [C]: exp(gamma_C - gamma_r), V''s rows into the state
+  float* meta() const { return kdec() + C; }           // [0] chunk decay, [1] rows, [2] bad
+  u16* qh() const { return reinterpret_cast<u16*>(meta() + 16); }  // [C, K] bfloat16: the query
+  u16* neg_w() const { return qh() + C * K; }          // [C, K]: -W
+  u16* kt() const { return neg_w() + C * K; }          // [K, C]: K^T
+  u16* attn() const { return kt() + K * C; }           // [C, C]: P
+};
+
+// Words of the scan's packed operands (S, V', exp(gamma_C - gamma) V').
+int64_t pair_scan_words(int64_t C, int64_t K, int64_t V) { return K / 2 * V + C * V; }
+
+// Copy n bfloat16 values; returns a value that is NaN when any is not finite.
+inline float copy_probe(const u16* src, u16* dst, int64_t n) {
+  std::memcpy(dst, src, sizeof(u16) * n);
+  float probe = 0.0f;
+#pragma omp simd reduction(+ : probe)
+  for (int64_t i = 0; i < n; ++i) probe += pairs::bf16_to_float(src[i]) * 0.0f;
+  return probe;
+}
+
+inline void l2norm_bf16(u16* x, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    u16* row = x + r * dim;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += pairs::bf16_to_float(row[i]) * pairs::bf16_to_float(row[i]);
+    const float inv = 1.0f / std::sqrt(ss + 1e-6f);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) row[i] = pairs::float_to_bf16(pairs::bf16_to_float(row[i]) * inv);
+  }
+}
+
+// load_tile for the pair path: chunk c's rows (read through p.strides) copied as bfloat16 into
+// qh, kh [C, K] and vh [C, V] (l2-normalised and rounded where asked); t gets g, beta, rows and bad, its float32
+// q, k, v are left unused. Rows from the first bad token on (k, v) and padding are zero.
+void load_pairs(const Problem& p, Tile& t, const u16* q, const u16* k, const u16* v, const float* g,
+                const float* beta, int64_t n, int64_t c, int64_t h, bool with_query, u16* qh, u16* kh, u16* vh) {
+  const int64_t C = p.C, K = p.K, V = p.V, hk = h / p.group();
+  const int64_t t0 = p.bos[n] + c * C;
+  t.rows = std::min<int64_t>(C, p.len[n] - c * C);
+  t.bad = t.rows;
+  const InputStrides& st = p.strides;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t tok = t0 + r;
+    if (with_query) std::memcpy(qh + r * K, q + tok * st.q_tok + hk * st.q_head, sizeof(u16) * K);
+    float probe = copy_probe(k + tok * st.k_tok + hk * st.k_head, kh + r * K, K);
+    probe += copy_probe(v + tok * st.v_tok + h * st.v_head, vh + r * V, V);
+    const float gr = gate_of(p, g[tok * st.g_tok + h * st.g_head], h);
+    const float br = beta_of(p, beta[tok * st.b_tok + h * st.b_head]);
+    t.g[r] = gr;
+    t.beta[r] = br;
+    const bool bad = std::isnan(probe) || std::isnan(gr) || gr == std::numeric_limits<float>::infinity() ||
+                     !std::isfinite(br);
+    if (bad && t.bad == t.rows) t.bad = r;
+  }
+  const int64_t clean = t.bad;
+  if (with_query) std::memset(qh + t.rows * K, 0, sizeof(u16) * (C - t.rows) * K);
+  std::memset(kh + clean * K, 0, sizeof(u16) * (C - clean) * K);
+  std::memset(vh + clean * V, 0, sizeof(u16) * (C - clean) * V);
+  for (int64_t r = clean; r < C; ++r) t.g[r] = 0.0f, t.beta[r] = 0.0f;
+  if (p.l2norm) {
+    if (with_query) l2norm_bf16(qh, C, K);
+    l2norm_bf16(kh, C, K);
+  }
+}
+
+// Floats of a thread's stage-1 scratch (enough for the scan's words too).
+int64_t pair_scratch_floats(int64_t C, int64_t K, int64_t V) {
+  return Tile::floats(C, K, V) + 6 * C * C + C * K + (C * K + C * V + C * C) / 2 + (K * C + C * V + C * K) / 2 + 16;
+}
+
+template <class U>
+void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, const float* g, const float* beta,
+                   const float* initial, c10::BFloat16* o, float* final_state, float* chunk_states) {
+  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV, N = p.num_seqs();
+  const bool with_query = o != nullptr;
+  const int64_t state_size = K * V;
+  if (initial)
+    std::memcpy(final_state, initial, sizeof(float) * N * HV * state_size);
+  else
+    std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
+  const std::vector<int64_t> chunk_off = chunk_offsets(p);
+  const int64_t item_floats = PairItem::floats(C, K, V);
+  // the fused stages run the scan on the same scratch
+  const int64_t scratch_floats = std::max(pair_scratch_floats(C, K, V), pair_scan_words(C, K, V));
+  using micro::Tri;
+
+  auto intra = [&](const PairItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
+    Tile t;
+    t.bind(scratch, C, K, V);
+    float* m = scratch + Tile::floats(C, K, V);
+    float* sim = m;  // [2C, C]
+    float* gram = sim + 2 * C * C;
+    float* inv = gram + C * C;
+    float* attn = inv + C * C;
+    float* w = attn + C * C;  // [C, K]
+    u16* kh = reinterpret_cast<u16*>(w + C * K);
+    u16* vh = kh + C * K;
+    u16* tbh = vh + C * V;
+    u32* kt_words = reinterpret_cast<u32*>(tbh + C * C);  // [K / 2, C]
+    u32* v_words = kt_words + K / 2 * C;                  // [C / 2, V]
+    u32* k_words = v_words + C / 2 * V;                   // [C / 2, K]
+    load_pairs(p, t, q, k, v, g, beta, n, c, h, with_query, it.qh(), kh, vh);
+    tile_decays(t);
+    pairs::pack_transposed(kh, C, K, kt_words);
+    if (with_query) pairs::gemm<U>(C, C, K, 1.0f, it.qh(), K, kt_words, C, 0.0f, sim, C, nullptr, Tri::CLower);
+    pairs::gemm<U>(C, C, K, 1.0f, kh, K, kt_words, C, 0.0f, sim + C * C, C, nullptr, Tri::CLower);
+    tile_masks(t, p.scale, with_query, sim, gram, attn);
+    if (with_query) pairs::round_rows(attn, C, C, C, it.attn(), C);
+    unit_lower_inverse_dispatch(gram, t.beta, inv, C);
+    // U = (T diag(beta)) V, W = (T diag(beta exp(gamma))) K
+    for (int64_t r = 0; r < C; ++r) {
+      const float* ti = inv + r * C;
+      u16* o_row = tbh + r * C;
+#pragma omp simd
+      for (int64_t s = 0; s < C; ++s) o_row[s] = pairs::float_to_bf16(ti[s] * t.beta[s]);
+    }
+    pairs::pack_bf16(vh, V, C, V, v_words);
+    pairs::gemm<U>(C, V, C, 1.0f, tbh, C, v_words, V, 0.0f, it.u(), V, nullptr, Tri::ALower);
+    for (int64_t r = 0; r < C; ++r) {
+      const float* ti = inv + r * C;
+      u16* o_row = tbh + r * C;
+#pragma omp simd
+      for (int64_t s = 0; s < C; ++s) o_row[s] = pairs::float_to_bf16(ti[s] * (t.beta[s] * t.gexp[s]));
+    }
+    pairs::pack_bf16(kh, K, C, K, k_words);
+    pairs::gemm<U>(C, K, C, -1.0f, tbh, C, k_words, K, 0.0f, w, K, nullptr, Tri::ALower);
+    pairs::round_rows(w, K, C, K, it.neg_w(), K);
+    pairs::transpose(kh, C, K, it.kt());
+    for (int64_t r = 0; r < C; ++r) it.qscale()[r] = p.scale * t.gexp[r], it.kdec()[r] = t.kdec[r];
+    it.meta()[0] = t.chunk_decay();
+    it.meta()[1] = static_cast<float>(t.rows);
+    it.meta()[2] = static_cast<float>(t.bad);
+  };
+  auto scan_step = [&](const PairItem& it, u32* words, int64_t n, int64_t c, int64_t h) {
+    float* state = final_state + (n * HV + h) * state_size;
+    if (chunk_states)
+      std::memcpy(chunk_states + ((chunk_off[n] + c) * HV + h) * state_size, state, sizeof(float) * state_size);
+    const float decay = it.meta()[0];
+    const int64_t rows = static_cast<int64_t>(it.meta()[1]), bad = static_cast<int64_t>(it.meta()[2]);
+    u32* s_words = words;                  // [K / 2, V]: S
+    u32* v_words = s_words + K / 2 * V;    // [C / 2, V]: V', then exp(gamma_C - gamma) V'
+    pairs::pack_f32(state, V, nullptr, K, V, s_words);
+    // [O; V'] = [diag(scale exp(gamma)) Q; -W] S + [0; U], then O += P V'
+    if (with_query) pairs::gemm<U>(C, V, K, 1.0f, it.qh(), K, s_words, V, 0.0f, it.ou(), V, it.qscale());
+    pairs::gemm<U>(C, V, K, 1.0f, it.neg_w(), K, s_words, V, 1.0f, it.u(), V);
+    if (with_query) {
+      pairs::pack_f32(it.u(), V, nullptr, C, V, v_words);
+      pairs::gemm<U>(C, V, C, 1.0f, it.attn(), C, v_words, V, 1.0f, it.ou(), V, nullptr, Tri::ALower);
+      float* out = it.ou();
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t r = bad; r < rows; ++r) std::fill(out + r * V, out + (r + 1) * V, nan);
+      const int64_t t0 = p.bos[n] + c * C;
+      for (int64_t r = 0; r < rows; ++r) stream_row(out + r * V, o + ((t0 + r) * HV + h) * V, V);
+    }
+    // S <- exp(gamma_C) S + K^T (exp(gamma_C - gamma) V')  (fla puts the decay on V')
+    pairs::pack_f32(it.u(), V, it.kdec(), C, V, v_words);
+    pairs::gemm<U>(K, V, C, 1.0f, it.kt(), C, v_words, V, decay, state, V);
+    if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
+  };
+
+  if (fuse_stages(p, N * HV)) {
+    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
+      const int64_t n = i / HV, h = i % HV;
+      const PairItem it{C, K, V, scratch + scratch_floats};
+      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
+        intra(it, scratch, n, c, h);
+        prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
+        scan_step(it, reinterpret_cast<u32*>(scratch), n, c, h);
+      }
+      stream_fence();
+    });
+    return;
+  }
+  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
+  int64_t max_slots = 0;
+  for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
+  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
+  auto item_at = [&](int64_t slot, int64_t h) { return PairItem{C, K, V, store + (slot * HV + h) * item_floats}; };
+  for (const Segment& seg : segments) {
+    const int64_t nact = static_cast<int64_t>(seg.active.size());
+    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
+      const int64_t n = seg.active[a];
+      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
+    });
+    parallel_items(p.threads, nact * HV, pair_scan_words(C, K, V), [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
+      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
+      for (int64_t c = seg.c0; c < c_end; ++c)
+        scan_step(item_at((c - seg.c0) * nact + a, h), reinterpret_cast<u32*>(scratch), n, c, h);
+      stream_fence();
+    });
+  }
+}
+
+// The bfloat16 forward on the pair-dot unit p.half_products asks for, where this build has
+// it and the shapes fit; false where the float32 path is to run.
+bool forward_bf16_pairs(const Problem& p, const void* q, const void* k, const void* v, const float* g,
+                        const float* beta, const float* initial, void* o, float* final_state, float* chunk_states) {
+  if (!pairs_fit(p)) return false;
+  const auto* q16 = static_cast<const u16*>(q);
+  const auto* k16 = static_cast<const u16*>(k);
+  const auto* v16 = static_cast<const u16*>(v);
+  auto* out = static_cast<c10::BFloat16*>(o);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (p.half_products == HalfProducts::Auto) {
+    forward_pairs<pairs::Avx512Bf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
+    return true;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (p.half_products == HalfProducts::Emulated) {
+    forward_pairs<pairs::EmulatedBf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
+    return true;
+  }
+#endif
+  (void)q16, (void)k16, (void)v16, (void)out;
+  return false;
+}
+
 }  // namespace
 
 void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
@@ -269,6 +551,7 @@ void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, co
                            static_cast<const c10::Half*>(v), g, beta, initial, static_cast<c10::Half*>(o),
                            final_state, chunk_states);
     case DType::BFloat16:
+      if (forward_bf16_pairs(p, q, k, v, g, beta, initial, o, final_state, chunk_states)) return;
       return forward_typed(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
                            static_cast<const c10::BFloat16*>(v), g, beta, initial, static_cast<c10::BFloat16*>(o),
                            final_state, chunk_states);

@@ -41,6 +41,11 @@ struct InputStrides {
   int64_t g_tok = 0, g_head = 1, b_tok = 0, b_head = 1;
 };
 
+// How the chunked forward multiplies bfloat16 operands (pairdot.h): Auto uses the machine's
+// pair-dot unit where this variant has one (avx512bf16), else converts the tiles to float32;
+// Float32 always converts; Emulated runs the unit's arithmetic on AVX2 (tests only).
+enum class HalfProducts { Auto = 0, Float32 = 1, Emulated = 2 };
+
 // The shape of one call and its sequences.
 struct Problem {
   DType dtype = DType::Float;
@@ -49,6 +54,7 @@ struct Problem {
   bool l2norm = false;
   int threads = 1;
   Stages stages = Stages::Auto;
+  HalfProducts half_products = HalfProducts::Auto;
   std::vector<int64_t> bos, len;  // per sequence
   Gating gating;
   InputStrides strides;  // contiguous unless the caller sets them
@@ -61,6 +67,16 @@ struct Problem {
 // written (float32 [N, HV, K, V]). `chunk_states` may be null; else [total_chunks, HV, K, V].
 void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
                const float* initial, void* o, float* final_state, float* chunk_states);
+
+// The pair-dot unit the bfloat16 chunked forward uses with HalfProducts::Auto where the
+// shapes allow it ("avx512bf16"), or "" where this build has none.
+const char* half_unit();
+
+// One pair-dot step per lane, for the tests: out[i] = acc[i] + (a_i.hi * b_i.hi + a_i.lo *
+// b_i.lo) as the unit computes it (pairdot.h), a_i and b_i 32-bit words of two bfloat16
+// values, n a multiple of 16. `hardware`: the machine's unit, else its AVX2 emulation.
+// False (out untouched) where this build has not the one asked for.
+bool pair_dot_lanes(const float* acc, const uint32_t* a, const uint32_t* b, float* out, int64_t n, bool hardware);
 
 // Backward from the chunk states the forward saved (required: the caller recomputes them
 // with chunk_fwd when it has none). `grad_final` / `d_initial` may be null.

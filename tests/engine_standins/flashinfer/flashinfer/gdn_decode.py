@@ -98,8 +98,8 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
     - ``ssm_state_indices [B, T]`` (FlashInfer's FLA scatter): the state after token t to row
       ``ssm_state_indices[b, t]`` (unless ``disable_state_update=True``);
     - otherwise the final state to row ``output_state_indices[b]`` (default: the read row)
-      unless ``disable_state_update`` (FlashInfer's default: True; torch_gdr's
-      ``disable_state_update``);
+      unless ``disable_state_update`` (FlashInfer's default: True; with a buffer torch_gdr's
+      ``disable_state_update``, without one no row to write: the plain pool step);
     - ``intermediate_states_buffer [B', T', HV, V, K]``: the state after token t of sequence b
       at ``buffer[b, t]``, written in place by torch_gdr (``intermediate_state_indices = b``;
       issue 36 item 3). fp16 operands are converted to bf16 (FlashInfer's kernels are bf16
@@ -119,7 +119,10 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
     else:
         out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(padding, -1)
         per_token = torch.full((batch, tokens), -1, dtype=torch.long, device=q.device)
-        per_token[:, -1] = out_rows
+        if intermediate_states_buffer is None and disable:
+            disable = False  # no row to write: the plain pool step (torch_gdr's flag would add a scratch buffer)
+        else:
+            per_token[:, -1] = out_rows
     serving: dict = {}
     kept = None
     if intermediate_states_buffer is not None:

@@ -9,6 +9,7 @@ the stand-ins. ``torch.cuda.synchronize`` becomes a no-op. Loaded by
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -48,13 +49,31 @@ def _cuda_on_cpu(monkeypatch):
         yield
 
 
+def _host_memory() -> tuple[int, int]:
+    """``(available, total)`` bytes of the host's memory, from ``/proc/meminfo``."""
+    fields = {}
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+def _device_memory(*args: Any, **kwargs: Any) -> tuple[int, int]:
+    if os.environ.get("TORCH_GDR_ENGINE_HOST_MEMORY") == "1":
+        return _host_memory()
+    return 0, 0
+
+
 @pytest.fixture(autouse=True)
 def _a_cuda_device_that_is_the_cpu(monkeypatch):
     """The CUDA queries the tests make, answered for the CPU that runs them: available, one
     device of capability 9.0 (the stand-ins' architecture), no free device memory (tests that
-    need a multi-GB device allocation skip themselves)."""
+    need a multi-GB device allocation skip themselves) unless ``TORCH_GDR_ENGINE_HOST_MEMORY=1``
+    (``run_engine_tests.py --long``): then the host's available memory, as ``/proc/meminfo``
+    says when asked."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (0, 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", _device_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: None)

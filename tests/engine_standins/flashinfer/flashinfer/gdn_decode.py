@@ -7,7 +7,8 @@ the gate and beta activations in the kernel (``use_gate_in_kernel``); ``initial_
 index gives a zero output (FlashInfer's float32 path; issue 36 item 8: torch_gdr itself
 returns the zero state's output). ``output_state_indices`` (a decode that reads one row and
 writes another) go to torch_gdr's ``initial_state_indices`` (read rows) and
-``ssm_state_indices`` (written rows).
+``ssm_state_indices`` (written rows). ``gated_delta_rule_mtp``'s ``intermediate_states_buffer``
+goes to torch_gdr's buffer of the same name (issue 36 item 3).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import torch
 import torch_gdr
 
 from engine_standins_backend import backend
+
+
+def _as_bf16(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """FlashInfer's decode kernels take bf16 operands: fp16 q, k, v, a, b are converted
+    (values, not bits), the output stored as bf16 and cast to q's dtype by the caller."""
+    return [x.to(torch.bfloat16) if x.dtype == torch.float16 else x for x in xs]
 
 
 def gated_delta_rule_decode_pretranspose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -39,6 +46,8 @@ def gated_delta_rule_decode_pretranspose(q: torch.Tensor, k: torch.Tensor, v: to
         pool, rows = state, torch.arange(q.shape[0], device=q.device)
     batch, tokens = q.shape[:2]
     rows = rows.long()
+    io_dtype = q.dtype
+    q, k, v, a, b = _as_bf16(q, k, v, a, b)
     # the final state's row: output_state_indices where given (torch_gdr's start rows read
     # one row and write another); a padding slot (-1 read row) writes nothing
     out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(rows < 0, -1)
@@ -50,7 +59,7 @@ def gated_delta_rule_decode_pretranspose(q: torch.Tensor, k: torch.Tensor, v: to
             initial_state_indices=rows,
             use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True, use_gate_in_kernel=True, A_log=A_log,
             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, backend=backend())
-        o = o.masked_fill((rows < 0).view(-1, 1, 1, 1), 0)
+        o = o.masked_fill((rows < 0).view(-1, 1, 1, 1), 0).to(io_dtype)
         if output is not None:
             output.copy_(o)
             o = output
@@ -81,37 +90,58 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
                          ssm_state_indices: Optional[torch.Tensor] = None,
                          disable_state_update: Optional[bool] = None, use_qk_l2norm: bool = True,
                          output_state_indices: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """T tokens per sequence from pool row ``initial_state_indices[b]`` (value-first pool; a
-    negative row: padding, zero output, nothing written); the final state written back to
-    that row unless ``disable_state_update`` (FlashInfer's default: True). Not in torch_gdr
-    (``NotImplementedError`` naming the issue-36 item): FlashInfer's ``intermediate_states_buffer``
-    (item 3; torch_gdr's has another indexing, not mapped here)."""
-    if intermediate_states_buffer is not None:
-        raise NotImplementedError("intermediate_states_buffer: intermediate states written in place into the "
-                                  "caller's buffer are not in torch_gdr's decode (issue 36 item 3)")
+    """T tokens per sequence (q ``[B, T, H, K]``) from pool row ``initial_state_indices[b]``
+    (value-first pool; a negative row: padding, nothing written, its output rows zero or, with
+    ``output``, left as the caller's), through torch_gdr's pool decode
+    (``fused_recurrent_gated_delta_rule``, ``initial_state_indices`` the start rows):
+
+    - ``ssm_state_indices [B, T]`` (FlashInfer's FLA scatter): the state after token t to row
+      ``ssm_state_indices[b, t]`` (unless ``disable_state_update=True``);
+    - otherwise the final state to row ``output_state_indices[b]`` (default: the read row)
+      unless ``disable_state_update`` (FlashInfer's default: True; with a buffer torch_gdr's
+      ``disable_state_update``, without one no row to write: the plain pool step);
+    - ``intermediate_states_buffer [B', T', HV, V, K]``: the state after token t of sequence b
+      at ``buffer[b, t]``, written in place by torch_gdr (``intermediate_state_indices = b``;
+      issue 36 item 3). fp16 operands are converted to bf16 (FlashInfer's kernels are bf16
+      inside). torch_gdr writes a padding sequence's zero-state run too: the stand-in
+      puts back those buffer rows, which FlashInfer leaves alone.
+    """
     rows = initial_state_indices.long()
-    out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(rows < 0, -1)
+    padding = rows < 0
     batch, tokens = q.shape[:2]
+    io_dtype = q.dtype
+    q, k, v, a, b = _as_bf16(q, k, v, a, b)
     flat = [x.reshape(1, batch * tokens, *x.shape[2:]) for x in (q, k, v, a, b)]
     cu = torch.arange(batch + 1) * tokens
-    gating = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
-    common = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True, cu_seqlens=cu,
-                  backend=backend(), **gating)
-    with torch.no_grad():
-        if ssm_state_indices is not None:
-            per_token = ssm_state_indices.long()
-            o, _ = torch_gdr.fused_recurrent_gated_delta_rule(*flat, initial_state=initial_state,
-                                                              ssm_state_indices=per_token,
-                                                              initial_state_indices=rows, **common)
-        elif disable_state_update is None or disable_state_update:
-            o, _ = torch_gdr.fused_recurrent_gated_delta_rule(*flat, initial_state=initial_state,
-                                                              ssm_state_indices=rows, inplace_final_state=False,
-                                                              **common)
+    disable = bool(disable_state_update is None or disable_state_update)
+    if ssm_state_indices is not None:
+        per_token, disable = ssm_state_indices.long(), bool(disable_state_update)
+    else:
+        out_rows = rows if output_state_indices is None else output_state_indices.long().masked_fill(padding, -1)
+        per_token = torch.full((batch, tokens), -1, dtype=torch.long, device=q.device)
+        if intermediate_states_buffer is None and disable:
+            disable = False  # no row to write: the plain pool step (torch_gdr's flag would add a scratch buffer)
         else:
-            o, _ = torch_gdr.chunk_gated_delta_rule(*flat, initial_state=initial_state, initial_state_indices=rows,
-                                                    final_state_indices=out_rows, **common)
-        o = o.reshape(batch, tokens, *o.shape[2:]).masked_fill((rows < 0).view(-1, 1, 1, 1), 0)
+            per_token[:, -1] = out_rows
+    serving: dict = {}
+    kept = None
+    if intermediate_states_buffer is not None:
+        serving = dict(intermediate_states_buffer=intermediate_states_buffer,
+                       intermediate_state_indices=torch.arange(batch, device=q.device))
+        if bool(padding.any()):
+            kept = intermediate_states_buffer[:batch][padding].clone()
+    with torch.no_grad():
+        o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+            *flat, scale=scale, initial_state=initial_state, ssm_state_indices=per_token, initial_state_indices=rows,
+            disable_state_update=disable, use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True, cu_seqlens=cu,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+            backend=backend(), **serving)
+        if kept is not None:
+            intermediate_states_buffer[:batch][padding] = kept
+        o = o.reshape(batch, tokens, *o.shape[2:]).to(io_dtype)
         if output is not None:
-            output.copy_(o)
+            output[~padding] = o[~padding].to(output.dtype)
             o = output
+        else:
+            o = o.masked_fill(padding.view(-1, 1, 1, 1), 0)
     return o, initial_state

@@ -200,3 +200,24 @@ def test_layer_eval_decode_on_the_pool_cache_compiled(backend: str) -> None:
         assert counter.frame_count >= 1
     finally:
         torch._dynamo.reset()
+
+
+def test_cpu_pool_step_op_with_the_serving_extras_passes_opcheck() -> None:
+    """``gdr::_cpu_pool_step`` with a token tree, an intermediate buffer and initial rows:
+    its schema (the pool and the buffer mutated), fake and autograd registration agree with
+    its eager body (torch.library.opcheck)."""
+    import torch_gdr.ops.cpu.pool  # noqa: F401  (registers the op)
+
+    gen = torch.Generator().manual_seed(4)
+    n, s, hv, dk, dv = 2, 3, 2, 8, 16
+    q, k = torch.randn(n, s, 1, dk, generator=gen), torch.randn(n, s, 1, dk, generator=gen)
+    v = torch.randn(n, s, hv, dv, generator=gen)
+    g, beta = -torch.rand(n, s, hv, generator=gen), torch.rand(n, s, hv, generator=gen)
+    pool = torch.randn(6, hv, dk, dv, generator=gen)
+    rows = torch.tensor([[0, 1, 2], [3, 4, -1]])
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])
+    buffer = torch.zeros(3, s, hv, dk, dv)
+    args = (q, k, v, g, beta, pool, rows, None, None, None, True, False)
+    kwargs = dict(initial_state_indices=torch.tensor([5, -1]), retrieve_parent_token=parents,
+                  intermediate_states_buffer=buffer, intermediate_state_indices=torch.tensor([2, 0]))
+    torch.library.opcheck(torch.ops.gdr._cpu_pool_step.default, args, kwargs)

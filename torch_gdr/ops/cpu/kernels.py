@@ -3,7 +3,9 @@
 Canonical layout: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (``HV % H == 0``); g, beta
 ``[B, T, HV]``; initial_state key-first ``[N, HV, K, V]`` or None; cu_seqlens int64
 ``[N + 1]`` or None (then B == 1); scale a float. The kernels compute in float32 for
-float32, float16 and bfloat16 inputs (q and v of one dtype; states always float32). Where
+float32, float16 and bfloat16 inputs (q and v of one dtype; states always float32), except
+the bfloat16 chunked forward of the ``avx512bf16`` variant, whose products take bfloat16
+operands with float32 accumulation (:data:`HALF_PRODUCTS`). Where
 the extension cannot be built or loaded these functions raise: the ``"cpu"`` backend
 (:mod:`.backend`) declares that as its reason, and dispatch picks another backend. The
 chunk states a forward returns are ``[total_chunks, HV, K, V]``, the state entering every

@@ -69,7 +69,7 @@ _FLASHINFER_IMPORTS = tuple((_FLASHINFER, p) for p in ("tests/__init__.py", "tes
 #: every other test (the checkpoint, zero-length and state-dtype families: 156)
 _FLASHINFER_PREFILL_LONG = (
     ("(kernel_basic or kernel_nonfull or chunked_prefill) and not (seq_lens1 and True-True)",
-     "the plain-prefill grids' other 3232 cases (no state pool; hours on 2 cores)"),)
+     "the plain-prefill grids' other 3232 cases (no state pool; ~25 min per backend on 2 cores)"),)
 #: test_decode_delta_rule.py (418 cases): the state-pool families in full; what is left out
 #: and what is long, each with its reason
 _FLASHINFER_DECODE_LEFT_OUT = (

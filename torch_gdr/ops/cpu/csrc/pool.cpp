@@ -5,11 +5,13 @@
 //
 // For each column block, the tokens of a sequence run in order. A token reads its parent's
 // block (the start row's for the first token of a chain and for a tree's roots) and writes
-// its own: into its pool row (rounded to the pool's type; fp8 saturating) and its buffer
-// slot, straight from vector registers, and where a later token starts from it, also as
+// its own: into its pool row (rounded to the pool's type; fp8 saturating), straight from
+// vector registers, and where a later token starts from it or a buffer takes it, also as
 // float32: its row itself when that row is float32, else a scratch block of the calling
-// thread (one for a chain, updated in place; one per token for a tree). The state is
-// carried in float32 between tokens and rounded only where stored.
+// thread (one for a chain, updated in place; one per token for a tree). From that block it
+// goes to its buffer slot: float32 slots by non-temporal stores (the call never reads them
+// back, so their lines are neither read for ownership nor kept in cache), others converted.
+// The state is carried in float32 between tokens and rounded only where stored.
 //
 // Pools and buffers whose value dim is not contiguous (value-first pools, other views), a V
 // that is not a multiple of the vector width, and CPUs without AVX2 + FMA take the staged
@@ -61,6 +63,23 @@ inline void store_block(const float* src, int64_t fs, E* dst, int64_t s_k, int64
   }
   for (int64_t c = 0; c < w; ++c)
     for (int64_t r = 0; r < K; ++r) dst[r * s_k + c * s_v] = store_cast<E>(src[r * fs + c]);
+}
+
+// A [K, w] float32 block (rows `fs` apart) into float32 rows `s_k` apart, with non-temporal
+// stores where the destination is 32-byte aligned: an intermediate state is read by the engine
+// after the call, not by this call (which reads its float32 copy), so its lines need not be
+// read for ownership nor displace the cache. The caller fences (_mm_sfence) before returning.
+inline void stream_block(const float* src, int64_t fs, float* dst, int64_t s_k, int64_t K, int64_t w) {
+  for (int64_t r = 0; r < K; ++r) {
+    const float* from = src + r * fs;
+    float* to = dst + r * s_k;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    if ((reinterpret_cast<uintptr_t>(to) & 31) == 0)
+      for (; i + 8 <= w; i += 8) _mm256_stream_ps(to + i, _mm256_loadu_ps(from + i));
+#endif
+    for (; i < w; ++i) to[i] = from[i];
+  }
 }
 
 // store_block into a buffer of any StateType.
@@ -150,8 +169,6 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
           float* slot = slot_base + (tree ? j : 0) * block_floats;
           if (!vector) {
             t.loc = Loc{slot, kBlock, true};
-          } else if (buf_f32) {
-            t.loc = Loc{state_at<float>(bv, a.buffer_rows[n], j, h, 0), bv.s_k, false};
           } else if (f32_pool && t.pool_row >= 0) {
             t.loc = Loc{reinterpret_cast<float*>(state_at<P>(pv, t.pool_row, 0, h, 0)), pv.s_k, false};
           } else if (t.followed || has_buf) {
@@ -206,10 +223,17 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
             }
             step_block_half(tb, hsrc, pv.s_k, fsrc, fss, fdst, t.loc.stride, hdst, pv.s_k, K, w, block_scratch, out,
                             next, nss, pairs);
-            if (has_buf && !buf_f32) store_block_as(fdst, t.loc.stride, bv, a.buffer_rows[n], j, h, j0, K, w);
+            if (buf_f32) {
+              stream_block(fdst, t.loc.stride, state_at<float>(bv, a.buffer_rows[n], j, h, j0), bv.s_k, K, w);
+            } else if (has_buf) {
+              store_block_as(fdst, t.loc.stride, bv, a.buffer_rows[n], j, h, j0, K, w);
+            }
 #endif
           }
         }
+#if defined(__AVX2__)
+        if (buf_f32) _mm_sfence();  // the streamed buffer blocks, before another thread or the caller reads them
+#endif
       },
       /*contiguous=*/true);
 }

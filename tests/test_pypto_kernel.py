@@ -402,6 +402,8 @@ def test_kernel_built_once_per_key() -> None:
     assert kernel_cache.cache_info() == kernel_cache.CacheInfo(0, 0, ())
 
 
+@pytest.mark.slow  # 10-13 s: a fresh process's interpreter run; the default suite keeps
+# tests/test_env.py::test_pypto_call_honours_the_users_directories_and_litters_nothing
 def test_nothing_lands_in_cwd_or_home(tmp_path: Path) -> None:
     """A fresh process with HOME and cwd in empty temp dirs writes only ~/.cache/torch_gdr."""
     interpreter.load_calculator()  # the calculator build is shared, not redone

@@ -189,6 +189,55 @@ struct ForwardItem {
   float* meta() const { return attn() + C * C; }          // [0] chunk decay, [1] rows, [2] bad
 };
 
+// The two stages of a chunked forward over every (sequence, value head) item. Fused where
+// there are enough balanced items for every thread: each runs both stages chunk after chunk,
+// its item and state staying in its cache, with no barrier at all. Otherwise over segments
+// of chunks (make_segments): stage 1 (`intra`, the chunk-local products) parallel over every
+// (chunk, sequence, value head) of the segment, then stage 2 (`scan`, the outputs and the
+// state leaving each chunk) per (sequence, value head). `view(base)` is the item stored at
+// `base` (`item_floats` floats); `intra(item, scratch, n, c, h)` gets `scratch_floats` of
+// scratch, `scan(item, scratch, n, c, h)` `scan_floats` (in the fused form, intra's
+// scratch, free by then); `prefetch(n, c, h)` hints chunk c's inputs.
+template <typename View, typename Intra, typename Scan, typename Prefetch>
+void run_forward_stages(const Problem& p, int64_t scratch_floats, int64_t item_floats, int64_t scan_floats,
+                        View view, Intra intra, Scan scan, Prefetch prefetch) {
+  const int64_t HV = p.HV, N = p.num_seqs();
+  if (fuse_stages(p, N * HV)) {
+    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
+      const int64_t n = i / HV, h = i % HV;
+      const auto it = view(scratch + scratch_floats);
+      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
+        intra(it, scratch, n, c, h);
+        prefetch(n, c + 1, h);
+        scan(it, scratch, n, c, h);
+      }
+      stream_fence();
+    });
+    return;
+  }
+  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
+  int64_t max_slots = 0;
+  for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
+  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
+  auto item_at = [&](int64_t slot, int64_t h) { return view(store + (slot * HV + h) * item_floats); };
+  for (const Segment& seg : segments) {
+    const int64_t nact = static_cast<int64_t>(seg.active.size());
+    // Stage 1: every (chunk, sequence, value head) of the segment.
+    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
+      const int64_t n = seg.active[a];
+      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
+    });
+    // Stage 2: the scan over the segment's chunks, per (sequence, value head).
+    parallel_items(p.threads, nact * HV, scan_floats, [&](float* scratch, int64_t i) {
+      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
+      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
+      for (int64_t c = seg.c0; c < c_end; ++c) scan(item_at((c - seg.c0) * nact + a, h), scratch, n, c, h);
+      stream_fence();
+    });
+  }
+}
+
 template <typename T>
 void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                    const float* initial, T* o, float* final_state, float* chunk_states) {
@@ -252,42 +301,10 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
   };
 
-  if (fuse_stages(p, N * HV)) {
-    // Enough balanced (sequence, value head) pairs for every thread: each runs both stages
-    // chunk after chunk, its item and state staying in its cache, with no barrier at all.
-    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
-      const int64_t n = i / HV, h = i % HV;
-      const ForwardItem it{C, K, V, scratch + scratch_floats};
-      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
-        intra(it, scratch, n, c, h);
-        prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
-        scan_step(it, n, c, h);
-      }
-      stream_fence();
-    });
-    return;
-  }
-  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
-  int64_t max_slots = 0;
-  for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
-  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
-  auto item_at = [&](int64_t slot, int64_t h) { return ForwardItem{C, K, V, store + (slot * HV + h) * item_floats}; };
-  for (const Segment& seg : segments) {
-    const int64_t nact = static_cast<int64_t>(seg.active.size());
-    // Stage 1: every (chunk, sequence, value head) of the segment.
-    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
-      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
-      const int64_t n = seg.active[a];
-      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
-    });
-    // Stage 2: the scan over the segment's chunks, per (sequence, value head).
-    parallel_items(p.threads, nact * HV, 0, [&](float*, int64_t i) {
-      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
-      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
-      for (int64_t c = seg.c0; c < c_end; ++c) scan_step(item_at((c - seg.c0) * nact + a, h), n, c, h);
-      stream_fence();
-    });
-  }
+  run_forward_stages(
+      p, scratch_floats, item_floats, 0, [&](float* base) { return ForwardItem{C, K, V, base}; }, intra,
+      [&](const ForwardItem& it, float*, int64_t n, int64_t c, int64_t h) { scan_step(it, n, c, h); },
+      [&](int64_t n, int64_t c, int64_t h) { prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c, h); });
 }
 
 // --- the bfloat16 forward on a pair-dot unit (pairdot.h) ---------------------------------
@@ -477,39 +494,13 @@ void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, c
     if (bad < rows) std::fill(state, state + state_size, std::numeric_limits<float>::quiet_NaN());
   };
 
-  if (fuse_stages(p, N * HV)) {
-    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
-      const int64_t n = i / HV, h = i % HV;
-      const PairItem it{C, K, V, scratch + scratch_floats};
-      for (int64_t c = 0; c < p.num_chunks(n); ++c) {
-        intra(it, scratch, n, c, h);
-        prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c + 1, h);
+  run_forward_stages(
+      p, scratch_floats, item_floats, pair_scan_words(C, K, V), [&](float* base) { return PairItem{C, K, V, base}; },
+      intra,
+      [&](const PairItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
         scan_step(it, reinterpret_cast<u32*>(scratch), n, c, h);
-      }
-      stream_fence();
-    });
-    return;
-  }
-  const auto segments = make_segments(p, item_floats * sizeof(float), kForwardBudget);
-  int64_t max_slots = 0;
-  for (const auto& s : segments) max_slots = std::max(max_slots, s.slots());
-  float* store = thread_workspace(kStore, max_slots * HV * item_floats);
-  auto item_at = [&](int64_t slot, int64_t h) { return PairItem{C, K, V, store + (slot * HV + h) * item_floats}; };
-  for (const Segment& seg : segments) {
-    const int64_t nact = static_cast<int64_t>(seg.active.size());
-    parallel_items(p.threads, seg.slots() * HV, scratch_floats, [&](float* scratch, int64_t i) {
-      const int64_t h = i % HV, slot = i / HV, a = slot % nact, c = seg.c0 + slot / nact;
-      const int64_t n = seg.active[a];
-      if (c < p.num_chunks(n)) intra(item_at(slot, h), scratch, n, c, h);
-    });
-    parallel_items(p.threads, nact * HV, pair_scan_words(C, K, V), [&](float* scratch, int64_t i) {
-      const int64_t h = i % HV, a = i / HV, n = seg.active[a];
-      const int64_t c_end = std::min(seg.c1, p.num_chunks(n));
-      for (int64_t c = seg.c0; c < c_end; ++c)
-        scan_step(item_at((c - seg.c0) * nact + a, h), reinterpret_cast<u32*>(scratch), n, c, h);
-      stream_fence();
-    });
-  }
+      },
+      [&](int64_t n, int64_t c, int64_t h) { prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c, h); });
 }
 
 // The bfloat16 forward on the pair-dot unit p.half_products asks for, where this build has

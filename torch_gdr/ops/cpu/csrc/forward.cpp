@@ -189,6 +189,15 @@ struct ForwardItem {
   float* meta() const { return attn() + C * C; }          // [0] chunk decay, [1] rows, [2] bad
 };
 
+// final_state [N, HV, K, V] float32 as the scan starts: a copy of `initial`, or zeros.
+inline void start_states(const Problem& p, const float* initial, float* final_state) {
+  const size_t bytes = sizeof(float) * p.num_seqs() * p.HV * p.K * p.V;
+  if (initial)
+    std::memcpy(final_state, initial, bytes);
+  else
+    std::memset(final_state, 0, bytes);
+}
+
 // The two stages of a chunked forward over every (sequence, value head) item. Fused where
 // there are enough balanced items for every thread: each runs both stages chunk after chunk,
 // its item and state staying in its cache, with no barrier at all. Otherwise over segments
@@ -241,13 +250,10 @@ void run_forward_stages(const Problem& p, int64_t scratch_floats, int64_t item_f
 template <typename T>
 void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                    const float* initial, T* o, float* final_state, float* chunk_states) {
-  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV, N = p.num_seqs();
+  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV;
   const bool with_query = o != nullptr;
   const int64_t state_size = K * V;
-  if (initial)
-    std::memcpy(final_state, initial, sizeof(float) * N * HV * state_size);
-  else
-    std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
+  start_states(p, initial, final_state);
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
   const int64_t item_floats = ForwardItem::floats(C, K, V);
   const int64_t scratch_floats = Tile::floats(C, K, V) + 5 * C * C;
@@ -407,13 +413,10 @@ int64_t pair_scratch_floats(int64_t C, int64_t K, int64_t V) {
 template <class U>
 void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, const float* g, const float* beta,
                    const float* initial, c10::BFloat16* o, float* final_state, float* chunk_states) {
-  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV, N = p.num_seqs();
+  const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV;
   const bool with_query = o != nullptr;
   const int64_t state_size = K * V;
-  if (initial)
-    std::memcpy(final_state, initial, sizeof(float) * N * HV * state_size);
-  else
-    std::memset(final_state, 0, sizeof(float) * N * HV * state_size);
+  start_states(p, initial, final_state);
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
   const int64_t item_floats = PairItem::floats(C, K, V);
   // the fused stages run the scan on the same scratch

@@ -186,15 +186,6 @@ def _host(t: Tensor) -> Tensor:
     return t.detach().to("cpu", torch.int64)
 
 
-def _check_range(name: str, values: Tensor, slots: int) -> None:
-    bad = (values < -1) | (values >= slots)
-    if bool(bad.any()):
-        where = [int(x) for x in bad.nonzero()[0]]
-        got = int(values[tuple(where)])
-        raise ValueError(f"{name}: expected pool rows in [-1, slots) = [-1, {slots}), got {got} at "
-                         f"{where if len(where) > 1 else where[0]}")
-
-
 def _check_rows_in_range(name: str, table: list, slots: int) -> None:
     """``table``: index values as nested lists (``[N]`` or ``[N, S]``), every one in
     ``[-1, slots)``; else ``ValueError`` naming the first outside, in row-major order.
@@ -425,15 +416,17 @@ def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[
         ck_offsets = _host(checkpoint_offsets).reshape(num_seqs, -1)
         ck_rows = _host(checkpoint_indices).reshape(num_seqs, -1)
     if any(t.device.type == "cpu" for t in tensors) or validate:
-        initial = _host(initial_state_indices)
-        final = initial if final_state_indices is None else _host(final_state_indices)
-        _check_range("initial_state_indices", initial, slots)
+        initial = _host(initial_state_indices).tolist()
+        final = initial if final_state_indices is None else _host(final_state_indices).tolist()
+        _check_rows_in_range("initial_state_indices", initial, slots)
         if final_state_indices is not None:
-            _check_range("final_state_indices", final, slots)
-        writes = [(r, n, f"final_state_indices[{n}]") for n, r in enumerate(final.tolist()) if r >= 0]
+            _check_rows_in_range("final_state_indices", final, slots)
+        writes = [(r, n, f"final_state_indices[{n}]") for n, r in enumerate(final) if r >= 0]
         if ck_rows is not None:
-            _check_range("checkpoint_indices", ck_rows if checkpoint_indices.dim() == 2 else ck_rows[:, 0], slots)
-            for n, (offs, rows) in enumerate(zip(ck_offsets.tolist(), ck_rows.tolist())):
+            ck_table = ck_rows.tolist()
+            _check_rows_in_range("checkpoint_indices",
+                                 ck_table if checkpoint_indices.dim() == 2 else [row[0] for row in ck_table], slots)
+            for n, (offs, rows) in enumerate(zip(ck_offsets.tolist(), ck_table)):
                 for m, (off, row) in enumerate(zip(offs, rows)):
                     if row < 0:
                         continue
@@ -442,7 +435,7 @@ def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[
                         raise ValueError(f"checkpoint_offsets: expected a position in 0..{lens[n]} (the length of "
                                          f"sequence {n}), got {off} at {where}")
                     writes.append((row, n, f"checkpoint_indices{where}"))
-        reads = [(r, n, f"initial_state_indices[{n}]") for n, r in enumerate(initial.tolist()) if r >= 0]
+        reads = [(r, n, f"initial_state_indices[{n}]") for n, r in enumerate(initial) if r >= 0]
         _check_row_conflicts(writes, reads)
     initial_rows = initial_state_indices.to(device=device, dtype=torch.int64)
     final_rows = initial_rows if final_state_indices is None else final_state_indices.to(device=device,

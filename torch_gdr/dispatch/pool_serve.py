@@ -31,7 +31,7 @@ import torch
 
 from torch_gdr import _pool
 from torch_gdr._gating import Gating
-from torch_gdr.dispatch.run import pool_step_backend, run_pool_step
+from torch_gdr.dispatch.run import run_pool_step, select_pool_step
 
 Tensor = torch.Tensor
 
@@ -61,14 +61,15 @@ def run_pool_serve(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
         ("disable_state_update", disable_state_update),
         ("strided_pool", not _pool.rows_contiguous(pool)),
         ("fp8_pool", pool.dtype in _pool.FP8_DTYPES)) if used)
-    chosen = pool_step_backend(q, v, ssm_state_indices, backend, extras)
+    selection = select_pool_step(q, v, ssm_state_indices, backend, extras)
+    chosen = selection.backend
     if chosen.pool_extras:  # one pass of its own step
         serving = dict(retrieve_parent_token=retrieve_parent_token, intermediate_states_buffer=intermediate_states_buffer,
                        intermediate_state_indices=intermediate_state_indices, disable_state_update=disable_state_update)
         return run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              state_v_first=state_v_first, validate=validate, backend=backend, gating=gating,
-                             initial_state_indices=initial_state_indices, serving=serving)
+                             initial_state_indices=initial_state_indices, serving=serving, selection=selection)
     return _serve_op(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices,
                      retrieve_parent_token, intermediate_states_buffer, intermediate_state_indices,
                      disable_state_update, cu_seqlens, None if scale is None else float(scale),

@@ -16,8 +16,8 @@ from torch_gdr._fallback import BackendError, failure_reason, refuse_or_warn, st
 from torch_gdr._gating import Gating, activate_call, apply_gating
 from torch_gdr._layout import GdrCall
 from torch_gdr._validate import CHUNK_SIZES
-from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, select
-from torch_gdr.ops._backend import Backend, CallSpec, OpArgs
+from torch_gdr.dispatch.registry import BACKENDS, UNIVERSAL_BACKEND, Selection, select
+from torch_gdr.ops._backend import CallSpec, OpArgs
 
 Tensor = torch.Tensor
 
@@ -85,12 +85,15 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                   ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], *, cu_seqlens: Optional[Tensor],
                   use_qk_l2norm_in_kernel: bool, state_v_first: bool, validate: bool,
                   backend: Optional[str] = None, gating: Optional[Gating] = None,
-                  initial_state_indices: Optional[Tensor] = None, serving: Optional[dict] = None) -> Tensor:
+                  initial_state_indices: Optional[Tensor] = None, serving: Optional[dict] = None,
+                  selection: Optional[Selection] = None) -> Tensor:
     """The step over a state pool, in place, on the backend serving it (the arguments of
     :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
     arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None. ``serving``: the
-    serving extras as keywords, for a backend whose step takes them (``Backend.pool_extras``), or None."""
-    selection = _pool_selection(q, v, ssm_state_indices, backend)
+    serving extras as keywords, for a backend whose step takes them (``Backend.pool_extras``), or None. ``selection``: the caller's
+    :func:`select_pool_step` for these inputs, or None (selected here)."""
+    if selection is None:
+        selection = select_pool_step(q, v, ssm_state_indices, backend)
     extra = {} if initial_state_indices is None else {"initial_state_indices": initial_state_indices}
     if serving is not None:
         if not selection.backend.pool_extras:
@@ -108,19 +111,14 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
                                        state_v_first=state_v_first, validate=validate, **extra)
 
 
-def _pool_selection(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str],
-                    extras: frozenset[str] = frozenset()):
+def select_pool_step(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str],
+                     extras: frozenset[str] = frozenset()) -> Selection:
+    """The policy's choice of backend for the pool step of these inputs with the serving
+    ``extras`` (keys of :data:`torch_gdr.ops._backend.POOL_EXTRAS`)."""
     spec = CallSpec.of("pool_step", q, v, CHUNK_SIZES[0], False)._replace(pool_extras=extras)
     if ssm_state_indices.dim() == 2:  # [N, S]: S tokens per sequence at most (checked by the pool rules)
         spec = spec._replace(tokens_per_sequence=int(ssm_state_indices.shape[1]))
     return select(spec, backend)
-
-
-def pool_step_backend(q: Tensor, v: Tensor, ssm_state_indices: Tensor, backend: Optional[str],
-                      extras: frozenset[str] = frozenset()) -> Backend:
-    """The backend that serves the pool step of these inputs with the serving ``extras``
-    (keys of :data:`torch_gdr.ops._backend.POOL_EXTRAS`) (the policy's choice)."""
-    return _pool_selection(q, v, ssm_state_indices, backend, extras).backend
 
 
 def run_checkpoints(args: OpArgs, checkpoint_every: int, backend: Optional[str] = None) -> tuple[Tensor, ...]:

@@ -102,21 +102,15 @@ def _token_view(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype).contiguous()
 
 
-def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Optional[Tensor]):
-    """The inputs of a backward kernel: contiguous, q and k in v's dtype, g and beta float32."""
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Optional[Tensor],
+             views: bool = False):
+    """A kernel's inputs: q, k, v in v's dtype, g and beta float32, ``cu_seqlens`` int64 on the
+    CPU. ``views``: for the forward kernels, which read through the strides: views where they
+    qualify (:func:`_token_view`), else contiguous copies; otherwise (the backward) contiguous."""
     dtype = v.dtype
-    q, k, v = _as(q, dtype), _as(k, dtype), v if v.is_contiguous() else v.contiguous()
-    g, beta = _as(g, torch.float32), _as(beta, torch.float32)
-    cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
-    return q, k, v, g, beta, cu
-
-
-def _prepare_views(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Optional[Tensor]):
-    """The inputs of a forward kernel, which reads q, k, v, g and beta through their strides:
-    views where they qualify (:func:`_token_view`), else contiguous copies."""
-    dtype = v.dtype
-    q, k, v = _token_view(q, dtype), _token_view(k, dtype), _token_view(v, dtype)
-    g, beta = _token_view(g, torch.float32), _token_view(beta, torch.float32)
+    convert = _token_view if views else _as
+    q, k, v = convert(q, dtype), convert(k, dtype), convert(v, dtype)
+    g, beta = convert(g, torch.float32), convert(beta, torch.float32)
     cu = None if cu_seqlens is None else cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
     return q, k, v, g, beta, cu
 
@@ -167,7 +161,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
         None.
     """
     ext = _extension()
-    q, k, v, g, beta, cu = _prepare_views(q, k, v, g, beta, cu_seqlens)
+    q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens, views=True)
     o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
                                            bool(use_qk_l2norm), cu, forward_chunk_size(chunk_size, save_states),
                                            bool(save_states), True, _mode(), *_gating_args(gating))
@@ -229,7 +223,7 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
         (``out_state`` when given).
     """
     ext = _extension()
-    q, k, v, g, beta, cu = _prepare_views(q, k, v, g, beta, cu_seqlens)
+    q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens, views=True)
     if out_state is not None and (out_state.dtype != torch.float32 or not out_state.is_contiguous()):
         raise ValueError(f"out_state: expected a contiguous float32 tensor, got {out_state.dtype} "
                          f"(contiguous: {out_state.is_contiguous()})")

@@ -110,7 +110,7 @@ def test_a_nonfinite_input_spreads_only_as_in_the_recurrence_pypto(case: str) ->
 def test_extreme_decays_pypto_forward_and_backward(big: float) -> None:
     """The PyPTO kernels (interpreter) under extreme decays: the forward at the recurrence's
     accuracy, every gradient within the kernel tests' bound of autograd through it."""
-    inputs = make_inputs(seqlens=[200, 37], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
+    inputs = make_inputs(seqlens=[100, 37], num_qk_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64,
                          dtype=torch.float32, with_initial_state=True)
     inputs["initial_state"] = inputs["initial_state"].float()
     inputs["g"] = _extreme_gates(inputs["g"], big)

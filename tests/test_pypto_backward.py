@@ -211,9 +211,10 @@ CASES = {
 #: K != V) the slow gated cases and
 #: test_training_hands_the_forward_kernels_chunk_states_to_the_backward also reach, and the
 #: three whose features (no l2norm, constant decays) the default runs reach elsewhere
-#: (test_numerics's extreme decays, the forward's l2norm-off case).
+#: (test_numerics's extreme decays, the forward's l2norm-off case), and the aligned length,
+#: whose full chunks the unaligned case runs too (before its tail).
 SLOW_TABLE_CASES = ("varlen_100_17_0_70_gva_2to4_initial_state", "K64_V128", "l2norm_off_K128_V128_l32",
-                    "no_decay_g0", "strong_decay_g-30")
+                    "no_decay_g0", "strong_decay_g-30", "aligned_T128_l64")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=n, marks=[pytest.mark.slow] if n in SLOW_TABLE_CASES else [])
@@ -316,12 +317,16 @@ def test_given_chunk_states_are_read_not_recomputed(monkeypatch) -> None:
 
 
 def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
-    """The backward kernel is cached under its own key (kind "bwd"), reused, and counted."""
+    """The backward kernel is cached under its own key (kind "bwd"), reused, and counted; the
+    dispatch cache lists the forward and backward kernels apart."""
+    from torch_gdr import dispatch
+
+    dispatch.cache_clear()
     pypto_backward.bwd_cache_clear()
-    case = Case([40], 32)
+    case = Case([40], 32, with_initial_state=True)
     x = make_inputs(case)
     kernel_grads(x, case, scale=0.125)
-    x2 = make_inputs(Case([50], 32, seed=1))
+    x2 = make_inputs(Case([50], 32, seed=1, with_initial_state=True))
     kernel_grads(x2, case, scale=0.125)  # same configuration (T is dynamic; same kernel chunk): a cache hit
     info = pypto_backward.bwd_cache_info()
     assert info.misses == 1 and info.hits == 1 and info.launches == 2
@@ -329,7 +334,12 @@ def test_the_kernel_ran_cache_entry_and_launch_count() -> None:
     assert key.kind == "bwd" and key.num_seqs == 1
     assert key.chunk_size == kernel_chunk_size(64, 64, 50, num_seqs=1, num_v_heads=1)  # the forward's
     assert pypto_backward.launch_count() == 2
-    pypto_backward.bwd_cache_clear()
+    listed = dispatch.cache_info()
+    assert (listed.forward.misses, len(listed.forward.keys)) == (1, 1)
+    assert (listed.backward.misses, len(listed.backward.keys), listed.backward.launches) == (1, 1, 2)
+    assert all(key.kind == "bwd" for key in listed.backward.keys)
+    dispatch.cache_clear()
+    assert dispatch.cache_info().forward.keys == () and dispatch.cache_info().backward.keys == ()
     assert pypto_backward.bwd_cache_info() == pypto_backward.BwdCacheInfo(0, 0, (), 0)
 
 
@@ -412,20 +422,6 @@ def test_bad_shapes_raise_naming_the_argument(arg: str, shape: tuple, match: str
             x["initial_state"], chunk_states, scale=0.125, use_qk_l2norm_in_kernel=True, chunk_size=32)
 
 
-def test_dispatch_lists_forward_and_backward_kernels_apart() -> None:
-    from torch_gdr import dispatch
-
-    dispatch.cache_clear()
-    case = Case([40], 32, with_initial_state=True)
-    kernel_grads(make_inputs(case), case, scale=0.125)
-    info = dispatch.cache_info()
-    assert (info.forward.misses, len(info.forward.keys)) == (1, 1)
-    assert (info.backward.misses, len(info.backward.keys), info.backward.launches) == (1, 1, 1)
-    assert all(key.kind == "bwd" for key in info.backward.keys)
-    dispatch.cache_clear()
-    assert dispatch.cache_info().forward.keys == () and dispatch.cache_info().backward.keys == ()
-
-
 def test_training_hands_the_forward_kernels_chunk_states_to_the_backward(monkeypatch) -> None:
     """Through the public call the backward reads the states the forward kernel wrote: the
     host never computes them (no pure-torch pass)."""
@@ -433,7 +429,7 @@ def test_training_hands_the_forward_kernels_chunk_states_to_the_backward(monkeyp
         raise AssertionError("the backward recomputed the chunk states")
 
     monkeypatch.setattr(pypto_backward, "chunk_states_torch", fail)
-    case = CASES["varlen_100_17_0_70_gva_2to4_initial_state"]
+    case = Case([40, 0, 17], 32, num_qk_heads=1, num_v_heads=2, with_initial_state=True)  # varlen, GVA
     x = make_inputs(case)
     scale = case.head_k_dim ** -0.5
     assert_grads_close(kernel_grads(x, case, scale=scale), reference_grads(x, scale=scale, use_qk_l2norm=True))

@@ -253,7 +253,7 @@ def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
 
 
 @pytest.mark.parametrize("h, hv, batches", [(1, 2, (1, 3, 24, 25, 100, 256)),
-                                             (16, 32, (1, 2, 3, 4, 6, 8, 17))])
+                                             pytest.param(16, 32, (1, 2, 3, 4, 6, 8, 17), marks=pytest.mark.slow)])
 def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(h: int, hv: int, batches: tuple[int, ...],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A serving loop over every S in 1..16 and batches from 1 to 256 (a spread of sizes:

@@ -186,6 +186,12 @@ def _host(t: Tensor) -> Tensor:
     return t.detach().to("cpu", torch.int64)
 
 
+def _values(t: Tensor) -> list:
+    """An index tensor's values as (nested) Python ints, read on the host (one copy from a
+    device; none on the CPU, where ``tolist`` reads int32 and int64 alike)."""
+    return (t if t.device.type == "cpu" else t.detach().to("cpu")).tolist()
+
+
 def _check_rows_in_range(name: str, table: list, slots: int) -> None:
     """``table``: index values as nested lists (``[N]`` or ``[N, S]``), every one in
     ``[-1, slots)``; else ``ValueError`` naming the first outside, in row-major order.
@@ -356,21 +362,20 @@ def _check_decode_values(idx: Tensor, acc: Optional[Tensor], lens: Optional[Sequ
     sequences start from (``initial_state_indices``), or None."""
     num_seqs = idx.shape[0]
     width = 1 if idx.dim() == 1 else idx.shape[1]
-    values = _host(idx).tolist()
+    values = _values(idx)
     _check_rows_in_range("ssm_state_indices", values, slots)
     table = values if idx.dim() == 2 else [[row] for row in values]
     read = [0] * num_seqs
     if acc is not None:
-        counts = _host(acc)
-        bad = (counts < 1) | (counts > width)
-        if bool(bad.any()):
-            n = int(bad.nonzero()[0, 0])
-            raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
-                             f"always accepted), got {int(counts[n])} at index {n}")
-        read = [c - 1 for c in counts.tolist()]
+        counts = _values(acc)
+        for n, count in enumerate(counts):
+            if not 1 <= count <= width:
+                raise ValueError(f"num_accepted_tokens: expected values in 1..S = 1..{width} (at least one token is "
+                                 f"always accepted), got {count} at index {n}")
+        read = [c - 1 for c in counts]
     starts = None
     if start is not None:
-        starts = _host(start).tolist()
+        starts = _values(start)
         _check_rows_in_range("initial_state_indices", starts, slots)
     if lens is not None:  # which entries are written follows the lengths
         entry = "ssm_state_indices[{}, {}]"
@@ -416,8 +421,8 @@ def _check_prefill(initial_state_indices: Tensor, final_state_indices: Optional[
         ck_offsets = _host(checkpoint_offsets).reshape(num_seqs, -1)
         ck_rows = _host(checkpoint_indices).reshape(num_seqs, -1)
     if any(t.device.type == "cpu" for t in tensors) or validate:
-        initial = _host(initial_state_indices).tolist()
-        final = initial if final_state_indices is None else _host(final_state_indices).tolist()
+        initial = _values(initial_state_indices)
+        final = initial if final_state_indices is None else _values(final_state_indices)
         _check_rows_in_range("initial_state_indices", initial, slots)
         if final_state_indices is not None:
             _check_rows_in_range("final_state_indices", final, slots)
@@ -572,7 +577,7 @@ def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Op
         if t.shape[0] != num_seqs or t.shape[1] < max(longest, 1):
             raise ValueError(f"retrieve_parent_token: expected shape [N, S] with N = {num_seqs} sequences and S >= "
                              f"{max(longest, 1)} (the longest sequence), got {_shape(t)}")
-        parents = _host(t).tolist()
+        parents = _values(t)
         for n in range(num_seqs):
             for j in range(lens[n]):
                 if not -1 <= parents[n][j] < j:
@@ -604,7 +609,7 @@ def check_serving_extras(plan: PoolPlan, pool: Tensor, retrieve_parent_token: Op
     idx = _check_index_tensor("intermediate_state_indices", rows, pool.device, (1,), "[N]")
     if idx.shape[0] != num_seqs:
         raise ValueError(f"intermediate_state_indices: expected shape [N] = [{num_seqs}], got {_shape(idx)}")
-    values = _host(idx).tolist()
+    values = _values(idx)
     seen: dict[int, int] = {}
     for n, row in enumerate(values):
         if not 0 <= row < buffer.shape[0]:

@@ -78,8 +78,9 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     Returns:
         ``o`` in the shape and dtype of v.
     """
-    # the checks that read no index values, before the op (Dynamo traces them)
-    _pool.check_pool_tensors(q, v, pool, state_v_first)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the checks that read no index values, before the op, where Dynamo traces them (eager: in its body)
+        _pool.check_pool_tensors(q, v, pool, state_v_first)
     if q.device.type != "cpu":
         raise ValueError(f"q: expected CPU tensors for the fused CPU pool step, got {q.device}")
     if v.dtype not in KERNEL_DTYPES:
@@ -90,7 +91,7 @@ def pool_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     # eager: the op's body directly (the custom op's Python dispatch, ~0.1-0.4 ms, costs more
     # than the kernel of a small decode step); traced: the op, whose eager body keeps the
     # index checks out of the graph
-    step = _cpu_pool_step_op if torch.compiler.is_compiling() else _cpu_pool_step_impl
+    step = _cpu_pool_step_op if compiling else _cpu_pool_step_impl
     return step(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                 None if scale is None else float(scale), bool(use_qk_l2norm_in_kernel),
                 bool(state_v_first), *gating, initial_state_indices=initial_state_indices,

@@ -70,8 +70,9 @@ _FLASHINFER_IMPORTS = tuple((_FLASHINFER, p) for p in ("tests/__init__.py", "tes
 _FLASHINFER_PREFILL_LONG = (
     ("(kernel_basic or kernel_nonfull or chunked_prefill) and not (seq_lens1 and True-True)",
      "the plain-prefill grids' other 3232 cases (no state pool; ~25 min per backend on 2 cores)"),)
-#: test_decode_delta_rule.py (418 cases): the state-pool families in full; what is left out
-#: and what is long, each with its reason
+#: test_decode_delta_rule.py (418 cases): the state-pool families in full (the bf16-state
+#: kernel families through the ``flashinfer.gdn_kernels`` stand-ins); what is left out and
+#: what is long, each with its reason
 _FLASHINFER_DECODE_LEFT_OUT = (
     ("test_verify_kernel_mtp_reuses_compile_across_cache_modes",
      "counts FlashInfer's CuTe compilations (imports cutlass): its kernel cache, not a state-pool contract"),
@@ -81,6 +82,9 @@ _FLASHINFER_DECODE_LEFT_OUT = (
     ("test_gdn_decode_fp32_state_fla_scatter_vs_dense and 128-8",
      "needs ~19 GiB of host memory (three 4.5 GiB pools of 1152 slots at HV = 64 and a 4 GiB buffer), "
      "more than this 23 GiB machine shared with other sessions; sized for a GPU's memory"),
+    ("test_gdn_decode_bf16_state_fla_scatter_vs_dense and 64-256-8",
+     "needs ~18-19 GiB of host memory (three 4.5-5 GiB bf16 pools of 2304-2560 slots at HV = 64 and a 4 GiB "
+     "buffer), as its fp32 twin at B = 128, T = 8; B = 256 at T = 2 and 4 run with --long"),
 )
 _FLASHINFER_DECODE_LONG = (
     ("test_decode_kernel_basic and 512", "B = 512 (1 GiB of state): 26-65 s each on 2 shared cores, most of it the "
@@ -88,6 +92,11 @@ _FLASHINFER_DECODE_LONG = (
     ("test_mtp_fp32_state_with_cache_and_state_update and bfloat16-64", "B = 64, T up to 8: 12-43 s each"),
     ("test_gdn_decode_fp32_state_fla_scatter_vs_dense and (64- or 128-)",
      "B = 64 and 128 at HV = 64: 3-11 GiB of pools and buffers, 16-150 s each"),
+    ("(bf16_state_wide_vec_mtp_kernel and bfloat16-256-) or (bf16_state and 64-256-)",
+     "B = 256 at HV = 64 in the bf16-state families (wide-vec MTP, recovery per request, FLA scatter vs dense): "
+     "0.5 GiB pools, up to 4 GiB buffers, about a minute each, most of it the tests' own per-token references"),
+    ("bf16_state_fla_scatter and 64-8",
+     "B = 64, T = 8 of the bf16 FLA-scatter families (vs dense, state only, accepted steps): 15-26 s each"),
 )
 _FLASHINFER_NONCONTIGUOUS_LEFT_OUT = (
     ("test_decode_pretranspose_pool_int64_offset and 8191",

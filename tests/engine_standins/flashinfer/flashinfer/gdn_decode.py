@@ -111,8 +111,6 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
     batch, tokens = q.shape[:2]
     io_dtype = q.dtype
     q, k, v, a, b = _as_bf16(q, k, v, a, b)
-    flat = [x.reshape(1, batch * tokens, *x.shape[2:]) for x in (q, k, v, a, b)]
-    cu = torch.arange(batch + 1) * tokens
     disable = bool(disable_state_update is None or disable_state_update)
     if ssm_state_indices is not None:
         per_token, disable = ssm_state_indices.long(), bool(disable_state_update)
@@ -123,25 +121,47 @@ def gated_delta_rule_mtp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, init
             disable = False  # no row to write: the plain pool step (torch_gdr's flag would add a scratch buffer)
         else:
             per_token[:, -1] = out_rows
+    o = pool_decode(q, k, v, a, b, initial_state, rows, per_token, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                    gating=dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                use_beta_sigmoid_in_kernel=True),
+                    buffer=intermediate_states_buffer, disable_state_update=disable).to(io_dtype)
+    if output is not None:
+        output[~padding] = o[~padding].to(output.dtype)
+        o = output
+    return o, initial_state
+
+
+def pool_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                pool: torch.Tensor, read_rows: torch.Tensor, write_rows: torch.Tensor, *, scale: Optional[float],
+                use_qk_l2norm: bool, gating: dict, buffer: Optional[torch.Tensor] = None,
+                disable_state_update: bool = False) -> torch.Tensor:
+    """B sequences of T tokens each through torch_gdr's pool decode, the stand-ins' one call
+    for FlashInfer's MTP entry points (this module's and ``gdn_kernels``'): q, k ``[B, T, H,
+    K]``, v ``[B, T, HV, V]``, g and beta ``[B, T, HV]`` (raw gate and beta logits with
+    ``gating`` torch_gdr's in-kernel activation arguments, or log-decay and beta with
+    ``gating={}``); ``pool`` value-first ``[slots, HV, V, K]`` (any strides); sequence n starts
+    from row ``read_rows[n]`` (a negative row: padding, a zero start state) and the state after
+    its token t goes to row ``write_rows[n, t]`` (-1: none), in place; ``buffer [B', T', HV, V,
+    K]`` receives the state after token t of sequence n at ``buffer[n, t]`` (torch_gdr's
+    ``intermediate_states_buffer``; a padding sequence's rows are put back as they were,
+    FlashInfer leaves them alone). Returns o ``[B, T, HV, V]`` in q's dtype, zero rows for
+    padding sequences."""
+    padding = read_rows < 0
+    batch, tokens = q.shape[:2]
+    flat = [x.reshape(1, batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    cu = torch.arange(batch + 1, device=q.device) * tokens
     serving: dict = {}
     kept = None
-    if intermediate_states_buffer is not None:
-        serving = dict(intermediate_states_buffer=intermediate_states_buffer,
+    if buffer is not None:
+        serving = dict(intermediate_states_buffer=buffer,
                        intermediate_state_indices=torch.arange(batch, device=q.device))
         if bool(padding.any()):
-            kept = intermediate_states_buffer[:batch][padding].clone()
+            kept = buffer[:batch][padding].clone()
     with torch.no_grad():
         o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
-            *flat, scale=scale, initial_state=initial_state, ssm_state_indices=per_token, initial_state_indices=rows,
-            disable_state_update=disable, use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True, cu_seqlens=cu,
-            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
-            backend=backend(), **serving)
+            *flat, scale=scale, initial_state=pool, ssm_state_indices=write_rows, initial_state_indices=read_rows,
+            disable_state_update=disable_state_update, use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=True,
+            cu_seqlens=cu, backend=backend(), **gating, **serving)
         if kept is not None:
-            intermediate_states_buffer[:batch][padding] = kept
-        o = o.reshape(batch, tokens, *o.shape[2:]).to(io_dtype)
-        if output is not None:
-            output[~padding] = o[~padding].to(output.dtype)
-            o = output
-        else:
-            o = o.masked_fill(padding.view(-1, 1, 1, 1), 0)
-    return o, initial_state
+            buffer[:batch][padding] = kept
+    return o.reshape(batch, tokens, *o.shape[2:]).masked_fill(padding.view(-1, 1, 1, 1), 0)

@@ -143,6 +143,13 @@ inline void stream_row<float>(const float* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
 }
 inline void stream_fence() { _mm_sfence(); }
+#elif defined(__AVX2__)
+template <>
+inline void stream_row<float>(const float* src, float* dst, int64_t n) {
+  if (reinterpret_cast<uintptr_t>(dst) % 32 != 0 || n % 8 != 0) return store_row(src, dst, n);
+  for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+}
+inline void stream_fence() { _mm_sfence(); }
 #else
 inline void stream_fence() {}
 #endif
@@ -429,8 +436,10 @@ inline void tile_decays(Tile& t) {
 //   inv  [C, C]: T = (I + diag(beta) G)^-1 (unit lower triangular)
 //   tb   [C, C] scratch
 //   u [C, V] = T diag(beta) V,  w [C, K] = w_alpha T diag(beta exp(gamma)) K
+// `sim_ready`: sim already holds [Q; K] K^T of this tile's q and k (a value head sharing
+// them with the tile before, GQA), not computed again.
 void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
-                float* tb, float* u, float* w, float w_alpha);
+                float* tb, float* u, float* w, float w_alpha, bool sim_ready = false);
 
 // C[M, N] = alpha op(A) B + beta C for the chunk products (forward.cpp): op(A) = A^T with
 // trans_a (A [kd, M] then, row stride lda); `a_lower`: op(A) is lower triangular (its zeros

@@ -134,18 +134,56 @@ void tile_masks(const Tile& t, float scale, bool with_query, const float* sim, f
   }
 }
 
-}  // namespace
+#if defined(__AVX2__)
+// The 8 x 8 floats in x transposed in place.
+inline void transpose8(__m256* x) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
 
-void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
-                float* tb, float* u, float* w, float w_alpha) {
-  const int64_t C = t.C, K = t.K, V = t.V;
-  // Q K^T and K K^T (only the key rows without the query), on and below the diagonal: the
-  // micro-kernels read K^T, transposed once into the thread's buffer.
+// dst [cols, rows] = src [rows, cols]^T, both row-major and dense: 8 x 8 blocks in AVX
+// registers where both sizes are multiples of 8 (a scalar transpose was 3-4% of the forward).
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+#if defined(__AVX2__)
+  if (rows % 8 == 0 && cols % 8 == 0) {
+    for (int64_t r = 0; r < rows; r += 8)
+      for (int64_t j = 0; j < cols; j += 8) {
+        __m256 x[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * cols + j);
+        transpose8(x);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (j + i) * rows + r, x[i]);
+      }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) dst[j * rows + r] = src[r * cols + j];
+}
+
+// sim = [Q; K] K^T (only the key rows without the query), on and below the diagonal: the
+// micro-kernels read K^T, transposed once into the thread's buffer.
+void key_products(const Tile& t, bool with_query, float* sim) {
+  const int64_t C = t.C, K = t.K;
   if (micro::kEnabled) {
     float* kt = thread_workspace(kTranspose, K * C);
     const float* key = t.key();
-    for (int64_t r = 0; r < C; ++r)
-      for (int64_t j = 0; j < K; ++j) kt[j * C + r] = key[r * K + j];
+    transpose(key, C, K, kt);
     if (with_query) micro::gemm_nn(C, C, K, 1.0f, t.qk, K, 1, kt, C, 0.0f, sim, C, nullptr, micro::Tri::CLower);
     micro::gemm_nn(C, C, K, 1.0f, key, K, 1, kt, C, 0.0f, sim + C * C, C, nullptr, micro::Tri::CLower);
   } else if (with_query) {
@@ -153,6 +191,14 @@ void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* 
   } else {
     gemm(false, true, C, C, K, 1.0f, t.key(), K, t.key(), K, 0.0f, sim + C * C, C);
   }
+}
+
+}  // namespace
+
+void tile_intra(const Tile& t, float scale, bool with_query, float* sim, float* gram, float* attn, float* inv,
+                float* tb, float* u, float* w, float w_alpha, bool sim_ready) {
+  const int64_t C = t.C, K = t.K, V = t.V;
+  if (!sim_ready) key_products(t, with_query, sim);
   tile_masks(t, scale, with_query, sim, gram, attn);
   // T = (I + A)^-1, A = diag(beta) G, by forward substitution: T_r = e_r - sum_{s<r} A_rs T_s.
   unit_lower_inverse_dispatch(gram, t.beta, inv, C);
@@ -198,9 +244,22 @@ inline void start_states(const Problem& p, const float* initial, float* final_st
     std::memset(final_state, 0, bytes);
 }
 
+// Value heads a fused work unit runs together, chunk by chunk (a divisor of HV, at most 4,
+// leaving enough balanced units for every thread): for each chunk the unit's heads run one
+// after the other, so that the chunk's token rows (one stretch of memory per tensor, shared
+// q/k heads read once) are read together, instead of each head sweeping the whole sequence
+// on its own (at T = 4096 a page walk and a DRAM miss for every 512-byte row). Their states
+// (64 KiB each at K = V = 128) stay in L2.
+inline int64_t fused_head_group(const Problem& p) {
+  int64_t group = 4;
+  while (group > 1 && (p.HV % group != 0 || !fuse_stages(p, p.num_seqs() * (p.HV / group)))) group /= 2;
+  return group;
+}
+
 // The two stages of a chunked forward over every (sequence, value head) item. Fused where
-// there are enough balanced items for every thread: each runs both stages chunk after chunk,
-// its item and state staying in its cache, with no barrier at all. Otherwise over segments
+// there are enough balanced items for every thread: each unit (a sequence's group of
+// fused_head_group value heads) runs both stages chunk after chunk, its items and states
+// staying in its cache, with no barrier at all. Otherwise over segments
 // of chunks (make_segments): stage 1 (`intra`, the chunk-local products) parallel over every
 // (chunk, sequence, value head) of the segment, then stage 2 (`scan`, the outputs and the
 // state leaving each chunk) per (sequence, value head). `view(base)` is the item stored at
@@ -211,14 +270,19 @@ template <typename View, typename Intra, typename Scan, typename Prefetch>
 void run_forward_stages(const Problem& p, int64_t scratch_floats, int64_t item_floats, int64_t scan_floats,
                         View view, Intra intra, Scan scan, Prefetch prefetch) {
   const int64_t HV = p.HV, N = p.num_seqs();
-  if (fuse_stages(p, N * HV)) {
-    parallel_items(p.threads, N * HV, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
-      const int64_t n = i / HV, h = i % HV;
+  const int64_t group = fused_head_group(p);
+  if (fuse_stages(p, N * (HV / group))) {
+    const int64_t units = HV / group;
+    parallel_items(p.threads, N * units, scratch_floats + item_floats, [&](float* scratch, int64_t i) {
+      const int64_t n = i / units, h0 = (i % units) * group, h_end = h0 + group;
       const auto it = view(scratch + scratch_floats);
       for (int64_t c = 0; c < p.num_chunks(n); ++c) {
-        intra(it, scratch, n, c, h);
-        prefetch(n, c + 1, h);
-        scan(it, scratch, n, c, h);
+        for (int64_t h = h0; h < h_end; ++h) {
+          intra(it, scratch, n, c, h);
+          if (h + 1 < h_end) prefetch(n, c, h + 1);
+          else prefetch(n, c + 1, h0);
+          scan(it, scratch, n, c, h);
+        }
       }
       stream_fence();
     });
@@ -258,6 +322,14 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
   const int64_t item_floats = ForwardItem::floats(C, K, V);
   const int64_t scratch_floats = Tile::floats(C, K, V) + 5 * C * C;
 
+  // What each thread's sim holds: Q K^T and K K^T of chunk c of sequence n, q/k head hk,
+  // key rows from `clean` on zeroed (load_tile). The value heads of a q/k head (GQA) share
+  // them; run one after the other (fused_head_group), all but the first reuse them.
+  struct KeyProducts {
+    int64_t n = -1, c = -1, hk = -1, clean = -1;
+  };
+  std::vector<KeyProducts> sim_of(static_cast<size_t>(std::max(1, p.threads)));
+
   // Stage 1 of one (sequence n, chunk c, value head h): everything but the state.
   auto intra = [&](const ForwardItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
     Tile t;
@@ -266,7 +338,15 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
     load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
     tile_decays(t);
-    tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f);
+    const auto slot = static_cast<size_t>(omp_get_thread_num());
+    bool ready = false;
+    if (slot < sim_of.size()) {  // (a caller's own parallel region could number its threads past ours)
+      KeyProducts& held = sim_of[slot];
+      const KeyProducts now{n, c, h / p.group(), t.bad};
+      ready = held.n == now.n && held.c == now.c && held.hk == now.hk && held.clean == now.clean;
+      held = now;
+    }
+    tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f, ready);
     for (int64_t r = 0; r < C; ++r) {
       const float fq = p.scale * t.gexp[r], fk = t.kdec[r];
       const float *yq = t.query() + r * K, *kr = t.key() + r * K;

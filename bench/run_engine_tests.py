@@ -94,7 +94,7 @@ _FLASHINFER_DECODE_LONG = (
      "B = 64 and 128 at HV = 64: 3-11 GiB of pools and buffers, 16-150 s each"),
     ("(bf16_state_wide_vec_mtp_kernel and bfloat16-256-) or (bf16_state and 64-256-)",
      "B = 256 at HV = 64 in the bf16-state families (wide-vec MTP, recovery per request, FLA scatter vs dense): "
-     "0.5 GiB pools, up to 4 GiB buffers, about a minute each, most of it the tests' own per-token references"),
+     "0.5 GiB pools, up to 4 GiB buffers, 1-4 min each on 2 shared cores"),
     ("bf16_state_fla_scatter and 64-8",
      "B = 64, T = 8 of the bf16 FLA-scatter families (vs dense, state only, accepted steps): 15-26 s each"),
 )

@@ -8,7 +8,8 @@ index gives a zero output (FlashInfer's float32 path; issue 36 item 8: torch_gdr
 returns the zero state's output). ``output_state_indices`` (a decode that reads one row and
 writes another) go to torch_gdr's ``initial_state_indices`` (read rows) and
 ``ssm_state_indices`` (written rows). ``gated_delta_rule_mtp``'s ``intermediate_states_buffer``
-goes to torch_gdr's buffer of the same name (issue 36 item 3).
+goes to torch_gdr's buffer of the same name (issue 36 item 3). :func:`pool_decode` (one pool
+decode of B sequences of T tokens) also serves the ``flashinfer.gdn_kernels`` stand-ins.
 """
 
 from __future__ import annotations

@@ -160,12 +160,26 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
         float32, the state entering every chunk of every sequence, sequences in order), else
         None.
     """
+    return chunk_fwd_checked(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size,
+                             save_states, gating)[:3]
+
+
+def chunk_fwd_checked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                      initial_state: Optional[Tensor], use_qk_l2norm: bool, cu_seqlens: Optional[Tensor],
+                      chunk_size: int, save_states: bool, gating: Optional[Gating] = None
+                      ) -> tuple[Tensor, Tensor, Optional[Tensor], bool]:
+    """:func:`chunk_fwd`'s results and whether every input the kernels check was finite: k,
+    v and beta, and g neither NaN nor ``+inf`` (after the activations with ``gating``), as
+    :func:`~torch_gdr.ops.torch.nonfinite.find_nonfinite` judges them. Where they all are, the
+    outputs need no containment (a NaN q or an overflow stays where the recurrence has it), and
+    the caller is spared a pass over o (:func:`~torch_gdr.ops.torch.nonfinite.contained`)."""
     ext = _extension()
     q, k, v, g, beta, cu = _prepare(q, k, v, g, beta, cu_seqlens, views=True)
-    o, final_state, states = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
-                                           bool(use_qk_l2norm), cu, forward_chunk_size(chunk_size, save_states),
-                                           bool(save_states), True, _mode(), *_gating_args(gating))
-    return o, final_state, (states if save_states else None)
+    o, final_state, states, nonfinite = ext.chunk_fwd(q, k, v, g, beta, _scale(scale, q), _state(initial_state),
+                                                      bool(use_qk_l2norm), cu,
+                                                      forward_chunk_size(chunk_size, save_states), bool(save_states),
+                                                      True, _mode(), *_gating_args(gating))
+    return o, final_state, (states if save_states else None), not nonfinite
 
 
 def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
@@ -191,8 +205,9 @@ def chunk_bwd(grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], q: T
     q_, k_, v_, g_, beta_, cu = _prepare(q, k, v, g, beta, cu_seqlens)
     scale_ = _scale(scale, q)
     if chunk_states is None:
-        _, _, chunk_states = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state), bool(use_qk_l2norm),
-                                           cu, int(chunk_size), True, False, _mode(), *gating_args)
+        _, _, chunk_states, _ = ext.chunk_fwd(q_, k_, v_, g_, beta_, scale_, _state(initial_state),
+                                              bool(use_qk_l2norm), cu, int(chunk_size), True, False, _mode(),
+                                              *gating_args)
     else:
         expected = (_total_chunks(v_, cu, int(chunk_size)), v.shape[2], q.shape[-1], v.shape[-1])
         if tuple(chunk_states.shape) != expected or chunk_states.dtype != torch.float32:

@@ -99,10 +99,12 @@ def poison(call: GdrCall, bad: Nonfinite, o: Tensor, final_state: Tensor) -> tup
 
 
 def contained(forward: Callable[[GdrCall, bool], tuple[Tensor, Tensor, Optional[Tensor]]], call: GdrCall,
-              save_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+              save_states: bool, first: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None
+              ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """``forward(call, save_states)`` (any chunked forward: ``(o, final_state, states)``) with
-    its non-finite inputs kept where the recurrence keeps them (the module doc)."""
-    o, final_state, states = forward(call, save_states)
+    its non-finite inputs kept where the recurrence keeps them (the module doc). ``first``:
+    that forward's results on ``call``, where the caller has them already."""
+    o, final_state, states = forward(call, save_states) if first is None else first
     if not outputs_finite(o, final_state):
         call = activate_call(call)  # a gated call (raw g or beta): judged on the activated values
         bad = find_nonfinite(call)

@@ -150,12 +150,15 @@ const float* optional_state(const optional<Tensor>& t, const gdr::Problem& p, co
   return t->data_ptr<float>();
 }
 
-// -> [o (or an empty tensor without `with_output`), final_state, chunk_states (or empty)]
-std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                              double scale, const optional<Tensor>& initial_state, bool l2norm,
-                              const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states, bool with_output,
-                              int64_t stages, const optional<Tensor>& A_log, const optional<Tensor>& dt_bias,
-                              bool beta_sigmoid, double beta_scale) {
+// -> (o (or an empty tensor without `with_output`), final_state, chunk_states (or empty),
+// whether some input was not finite (gdr::chunk_fwd))
+std::tuple<Tensor, Tensor, Tensor, bool> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                                   const Tensor& beta, double scale,
+                                                   const optional<Tensor>& initial_state, bool l2norm,
+                                                   const optional<Tensor>& cu_seqlens, int64_t chunk, bool save_states,
+                                                   bool with_output, int64_t stages, const optional<Tensor>& A_log,
+                                                   const optional<Tensor>& dt_bias, bool beta_sigmoid,
+                                                   double beta_scale) {
   gdr::Problem p = make_problem(q, v, cu_seqlens, chunk, scale, l2norm, stages);
   check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
@@ -165,13 +168,14 @@ std::vector<Tensor> chunk_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
   Tensor o = with_output ? advise_huge(at::empty(v.sizes(), out)) : at::empty({0}, out);
   Tensor final_state = at::empty({p.num_seqs(), p.HV, p.K, p.V}, f32);
   Tensor states = save_states ? advise_huge(at::empty({total_chunks(p), p.HV, p.K, p.V}, f32)) : at::empty({0}, f32);
+  bool nonfinite = false;
   {
     pybind11::gil_scoped_release no_gil;
-    gdr::chunk_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(), beta.data_ptr<float>(), initial,
-                   with_output ? o.data_ptr() : nullptr, final_state.data_ptr<float>(),
-                   save_states ? states.data_ptr<float>() : nullptr);
+    nonfinite = gdr::chunk_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
+                               beta.data_ptr<float>(), initial, with_output ? o.data_ptr() : nullptr,
+                               final_state.data_ptr<float>(), save_states ? states.data_ptr<float>() : nullptr);
   }
-  return {o, final_state, states};
+  return {o, final_state, states, nonfinite};
 }
 
 // -> [dq, dk, dv, dg (float32), dbeta (float32), d_initial_state (or empty), dA_log, ddt_bias

@@ -5,6 +5,8 @@
 #include "microgemm.h"
 #include "pairdot.h"
 
+#include <atomic>
+
 namespace gdr {
 
 const char* half_unit() { return pairs::kHardware ? "avx512bf16" : ""; }
@@ -312,7 +314,7 @@ void run_forward_stages(const Problem& p, int64_t scratch_floats, int64_t item_f
 }
 
 template <typename T>
-void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
+bool forward_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                    const float* initial, T* o, float* final_state, float* chunk_states) {
   const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV;
   const bool with_query = o != nullptr;
@@ -329,6 +331,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     int64_t n = -1, c = -1, hk = -1, clean = -1;
   };
   std::vector<KeyProducts> sim_of(static_cast<size_t>(std::max(1, p.threads)));
+  std::atomic<bool> any_bad{false};  // a bad token seen (chunk_fwd's answer)
 
   // Stage 1 of one (sequence n, chunk c, value head h): everything but the state.
   auto intra = [&](const ForwardItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
@@ -337,6 +340,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     float* sim = scratch + Tile::floats(C, K, V);
     float *gram = sim + 2 * C * C, *inv = gram + C * C, *tb = inv + C * C;
     load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
+    if (t.bad < t.rows) any_bad.store(true, std::memory_order_relaxed);
     tile_decays(t);
     const auto slot = static_cast<size_t>(omp_get_thread_num());
     bool ready = false;
@@ -391,6 +395,7 @@ void forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
       p, scratch_floats, item_floats, 0, [&](float* base) { return ForwardItem{C, K, V, base}; }, intra,
       [&](const ForwardItem& it, float*, int64_t n, int64_t c, int64_t h) { scan_step(it, n, c, h); },
       [&](int64_t n, int64_t c, int64_t h) { prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c, h); });
+  return any_bad.load();
 }
 
 // --- the bfloat16 forward on a pair-dot unit (pairdot.h) ---------------------------------
@@ -491,7 +496,7 @@ int64_t pair_scratch_floats(int64_t C, int64_t K, int64_t V) {
 }
 
 template <class U>
-void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, const float* g, const float* beta,
+bool forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, const float* g, const float* beta,
                    const float* initial, c10::BFloat16* o, float* final_state, float* chunk_states) {
   const int64_t C = p.C, K = p.K, V = p.V, HV = p.HV;
   const bool with_query = o != nullptr;
@@ -502,6 +507,7 @@ void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, c
   // the fused stages run the scan on the same scratch
   const int64_t scratch_floats = std::max(pair_scratch_floats(C, K, V), pair_scan_words(C, K, V));
   using micro::Tri;
+  std::atomic<bool> any_bad{false};
 
   auto intra = [&](const PairItem& it, float* scratch, int64_t n, int64_t c, int64_t h) {
     Tile t;
@@ -519,6 +525,7 @@ void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, c
     u32* v_words = kt_words + K / 2 * C;                  // [C / 2, V]
     u32* k_words = v_words + C / 2 * V;                   // [C / 2, K]
     load_pairs(p, t, q, k, v, g, beta, n, c, h, with_query, it.qh(), kh, vh);
+    if (t.bad < t.rows) any_bad.store(true, std::memory_order_relaxed);
     tile_decays(t);
     pairs::pack_transposed(kh, C, K, kt_words);
     if (with_query) pairs::gemm<U>(C, C, K, 1.0f, it.qh(), K, kt_words, C, 0.0f, sim, C, nullptr, Tri::CLower);
@@ -584,12 +591,14 @@ void forward_pairs(const Problem& p, const u16* q, const u16* k, const u16* v, c
         scan_step(it, reinterpret_cast<u32*>(scratch), n, c, h);
       },
       [&](int64_t n, int64_t c, int64_t h) { prefetch_chunk(p, with_query ? q : nullptr, k, v, n, c, h); });
+  return any_bad.load();
 }
 
 // The bfloat16 forward on the pair-dot unit p.half_products asks for, where this build has
 // it and the shapes fit; false where the float32 path is to run.
 bool forward_bf16_pairs(const Problem& p, const void* q, const void* k, const void* v, const float* g,
-                        const float* beta, const float* initial, void* o, float* final_state, float* chunk_states) {
+                        const float* beta, const float* initial, void* o, float* final_state, float* chunk_states,
+                        bool& nonfinite) {
   if (!pairs_fit(p)) return false;
   const auto* q16 = static_cast<const u16*>(q);
   const auto* k16 = static_cast<const u16*>(k);
@@ -597,13 +606,13 @@ bool forward_bf16_pairs(const Problem& p, const void* q, const void* k, const vo
   auto* out = static_cast<c10::BFloat16*>(o);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (p.half_products == HalfProducts::Auto) {
-    forward_pairs<pairs::Avx512Bf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
+    nonfinite = forward_pairs<pairs::Avx512Bf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
     return true;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (p.half_products == HalfProducts::Emulated) {
-    forward_pairs<pairs::EmulatedBf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
+    nonfinite = forward_pairs<pairs::EmulatedBf16>(p, q16, k16, v16, g, beta, initial, out, final_state, chunk_states);
     return true;
   }
 #endif
@@ -613,7 +622,7 @@ bool forward_bf16_pairs(const Problem& p, const void* q, const void* k, const vo
 
 }  // namespace
 
-void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
+bool chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
                const float* initial, void* o, float* final_state, float* chunk_states) {
   switch (p.dtype) {
     case DType::Float:
@@ -625,11 +634,13 @@ void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, co
                            static_cast<const c10::Half*>(v), g, beta, initial, static_cast<c10::Half*>(o),
                            final_state, chunk_states);
     case DType::BFloat16:
-      if (forward_bf16_pairs(p, q, k, v, g, beta, initial, o, final_state, chunk_states)) return;
+      if (bool nonfinite = false; forward_bf16_pairs(p, q, k, v, g, beta, initial, o, final_state, chunk_states, nonfinite))
+        return nonfinite;
       return forward_typed(p, static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
                            static_cast<const c10::BFloat16*>(v), g, beta, initial, static_cast<c10::BFloat16*>(o),
                            final_state, chunk_states);
   }
+  return true;  // (no other dtype reaches here)
 }
 
 }  // namespace gdr

@@ -65,7 +65,10 @@ struct Problem {
 
 // Forward. `o` may be null (states only). `initial` may be null (zeros). `final_state` is
 // written (float32 [N, HV, K, V]). `chunk_states` may be null; else [total_chunks, HV, K, V].
-void chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
+// Returns whether any token had a non-finite k, v or beta (the value head's, activated) or a
+// g that is NaN or +inf (activated): where none had, the outputs are the recurrence's
+// wherever it is finite, with nothing for the caller's containment to do.
+bool chunk_fwd(const Problem& p, const void* q, const void* k, const void* v, const float* g, const float* beta,
                const float* initial, void* o, float* final_state, float* chunk_states);
 
 // The pair-dot unit the bfloat16 chunked forward uses with HalfProducts::Auto where the

@@ -322,15 +322,22 @@ bool forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
   start_states(p, initial, final_state);
   const std::vector<int64_t> chunk_off = chunk_offsets(p);
   const int64_t item_floats = ForwardItem::floats(C, K, V);
-  const int64_t scratch_floats = Tile::floats(C, K, V) + 5 * C * C;
+  // tile, sim [2C, C], gram, inv, tb [C, C], then the record of what sim holds (KeyProducts)
+  const int64_t record_at = Tile::floats(C, K, V) + 5 * C * C;
+  const int64_t scratch_floats = record_at + 16;
 
-  // What each thread's sim holds: Q K^T and K K^T of chunk c of sequence n, q/k head hk,
-  // key rows from `clean` on zeroed (load_tile). The value heads of a q/k head (GQA) share
-  // them; run one after the other (fused_head_group), all but the first reuse them.
+  // What a thread's sim holds, recorded in the thread's scratch beside it: Q K^T and K K^T
+  // of chunk c of sequence n, q/k head hk, key rows from `clean` on zeroed (load_tile), made
+  // by this call (`call`: scratch outlives calls, and other kernels write it). The value
+  // heads of a q/k head (GQA) share them; run one after the other (fused_head_group), all
+  // but the first reuse them.
   struct KeyProducts {
-    int64_t n = -1, c = -1, hk = -1, clean = -1;
+    uint64_t call;
+    int64_t n, c, hk, clean;
   };
-  std::vector<KeyProducts> sim_of(static_cast<size_t>(std::max(1, p.threads)));
+  static_assert(sizeof(KeyProducts) <= 16 * sizeof(float));
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
   std::atomic<bool> any_bad{false};  // a bad token seen (chunk_fwd's answer)
 
   // Stage 1 of one (sequence n, chunk c, value head h): everything but the state.
@@ -342,14 +349,12 @@ bool forward_typed(const Problem& p, const T* q, const T* k, const T* v, const f
     load_tile(p, t, q, k, v, g, beta, n, c, h, with_query);
     if (t.bad < t.rows) any_bad.store(true, std::memory_order_relaxed);
     tile_decays(t);
-    const auto slot = static_cast<size_t>(omp_get_thread_num());
-    bool ready = false;
-    if (slot < sim_of.size()) {  // (a caller's own parallel region could number its threads past ours)
-      KeyProducts& held = sim_of[slot];
-      const KeyProducts now{n, c, h / p.group(), t.bad};
-      ready = held.n == now.n && held.c == now.c && held.hk == now.hk && held.clean == now.clean;
-      held = now;
-    }
+    KeyProducts held;
+    std::memcpy(&held, scratch + record_at, sizeof held);
+    const KeyProducts now{call, n, c, h / p.group(), t.bad};
+    const bool ready = held.call == now.call && held.n == now.n && held.c == now.c && held.hk == now.hk &&
+                       held.clean == now.clean;
+    std::memcpy(scratch + record_at, &now, sizeof now);
     tile_intra(t, p.scale, with_query, sim, gram, it.attn(), inv, tb, it.u(), it.neg_w(), -1.0f, ready);
     for (int64_t r = 0; r < C; ++r) {
       const float fq = p.scale * t.gexp[r], fk = t.kdec[r];

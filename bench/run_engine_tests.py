@@ -101,7 +101,17 @@ _FLASHINFER_DECODE_LONG = (
 _FLASHINFER_NONCONTIGUOUS_LEFT_OUT = (
     ("test_decode_pretranspose_pool_int64_offset and 8191",
      "a 17.7 GB padded fp32 pool (8192 slots): more than this 23 GB machine shared with other sessions can spare; "
-     "the same int64-offset path runs at slot 3972 (8.6 GB) with --long"),)
+     "the same int64-offset path runs at slot 3972 (8.6 GB) with --long"),
+    ("test_decode_pretranspose_pool_reuses_compile_across_outer_layouts",
+     "counts FlashInfer's CuTe compilations (its cute.compile patched) and clears its kernel cache: a compile "
+     "cache, not a state-pool contract; the same strided-pool outputs and states are asserted by "
+     "test_decode_pretranspose_pool_noncontiguous_state"),
+    ("test_decode_pretranspose_pool_cache_keeps_inner_strides_static",
+     "the keys of FlashInfer's CuTe kernel cache (_get_compiled_decode_kernel): its compile cache"),
+    ("test_decode_pretranspose_pool_rejects_misaligned_slot_stride",
+     "the 128-bit-copy alignment assert of FlashInfer's CuTe kernel (run_pretranspose_decode); torch_gdr's "
+     "steps take any slot stride"),
+)
 #: FlashInfer's tests/gdn files not run, with the reason
 FLASHINFER_NOT_RUN = (
     ("tests/gdn/test_decode_ucache.py", "FlashInfer's WY ring-cache (ucache) CuTe kernels, loaded from its "

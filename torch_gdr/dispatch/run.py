@@ -90,8 +90,9 @@ def run_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     """The step over a state pool, in place, on the backend serving it (the arguments of
     :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`); returns ``o``. ``gating``: the activation
     arguments of the raw ``g``/``beta`` (:mod:`torch_gdr._gating`), or None. ``serving``: the
-    serving extras as keywords, for a backend whose step takes them (``Backend.pool_extras``), or None. ``selection``: the caller's
-    :func:`select_pool_step` for these inputs, or None (selected here)."""
+    serving extras as keywords, for a backend whose step takes them (``Backend.pool_extras``), or
+    None. ``selection``: the caller's :func:`select_pool_step` for these inputs, or None
+    (selected here)."""
     if selection is None:
         selection = select_pool_step(q, v, ssm_state_indices, backend)
     extra = {} if initial_state_indices is None else {"initial_state_indices": initial_state_indices}

@@ -35,17 +35,20 @@ def _forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Op
     The kernels say whether any input was not finite: where none was, the outputs are left
     as they are, without contained's pass over them (at two threads ~12 ms for an 8 MiB o on
     a loaded 2-core machine, the time its second thread waited for a core; 0.7 ms at one)."""
-    o, final_state, states, inputs_finite = kernels.chunk_fwd_checked(
-        call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state, call.use_qk_l2norm,
-        call.cu_seqlens, call.chunk_size, save_chunk_states, gating_of(call))
+    *outputs, inputs_finite = _kernel_forward_checked(call, save_chunk_states)
     if inputs_finite:
-        return o, final_state, states
-    return contained(_kernel_forward, call, save_chunk_states, first=(o, final_state, states))
+        return tuple(outputs)
+    return contained(_kernel_forward, call, save_chunk_states, first=tuple(outputs))
+
+
+def _kernel_forward_checked(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor], bool]:
+    return kernels.chunk_fwd_checked(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
+                                     call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states,
+                                     gating_of(call))
 
 
 def _kernel_forward(call: GdrCall, save_chunk_states: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    return kernels.chunk_fwd(call.q, call.k, call.v, call.g, call.beta, call.scale, call.initial_state,
-                             call.use_qk_l2norm, call.cu_seqlens, call.chunk_size, save_chunk_states, gating_of(call))
+    return _kernel_forward_checked(call, save_chunk_states)[:3]
 
 
 def _backward(call: GdrCall, grad_o: Tensor, grad_final_state: Optional[Tensor], chunk_states: Optional[Tensor],

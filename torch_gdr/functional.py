@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from torch_gdr._decode_memo import SignatureMemo, signature
+from torch_gdr._fallback import strict_mode
 from torch_gdr._gating import Gating, apply_gating, check_gating
 from torch_gdr._inplace import check_inplace_state, resolve_inplace_flag
 from torch_gdr._layout import canonical_call, compute_dtype_for
@@ -15,7 +18,9 @@ from torch_gdr._pool import (FP8_DTYPES, check_no_grad, check_pool_args, pool_ch
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.pool_serve import run_pool_serve
-from torch_gdr.dispatch.run import run_checkpoints, run_chunk, run_pool_step, run_step, run_step_inplace
+from torch_gdr.dispatch.registry import BACKEND_ENV_VAR, Selection
+from torch_gdr.dispatch.run import (run_checkpoints, run_chunk, run_pool_step, run_step, run_step_inplace,
+                                    select_pool_step)
 from torch_gdr.ops._backend import OpArgs
 from torch_gdr.ops.torch.checkpoints import check_checkpoint_every
 
@@ -380,6 +385,23 @@ def fused_recurrent_gated_delta_rule(
             out as pool rows (``TypeError`` for its dtype).
         torch_gdr.dispatch.BackendError: the backend named cannot serve the call.
     """
+    route_key = None
+    if ssm_state_indices is not None:
+        route_key = _pool_route_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                    cu_seqlens, cu_seqlens_cpu, state_v_first, transpose_state_layout, gk, gv, backend,
+                                    ssm_state_indices, num_accepted_tokens, inplace_final_state, validate,
+                                    initial_state_indices, retrieve_parent_token, intermediate_states_buffer,
+                                    intermediate_state_indices, disable_state_update)
+        route = _POOL_ROUTES.get(route_key)
+        if route is not None:  # the same call as one that passed every check here: the step's own checks remain
+            selection, v_first = route
+            gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+            o = run_pool_step(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
+                              cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=v_first,
+                              validate=validate, backend=backend, gating=gating,
+                              initial_state_indices=initial_state_indices, selection=selection)
+            return o, initial_state
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -424,7 +446,7 @@ def fused_recurrent_gated_delta_rule(
     if pooled:
         return _pool_step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                           state_v_first, backend, ssm_state_indices, num_accepted_tokens, inplace,
-                          validate, gating, initial_state_indices, serving)
+                          validate, gating, initial_state_indices, serving, route_key)
     if inplace:
         state = check_inplace_state(initial_state, compute_dtype_for(_wider(q.dtype, v.dtype)),
                                     (q, k, v, g, beta, A_log, dt_bias))
@@ -442,11 +464,42 @@ def fused_recurrent_gated_delta_rule(
     return o, (final_state if output_final_state else None)
 
 
+#: Public pool steps that passed every check of :func:`fused_recurrent_gated_delta_rule`
+#: (their :func:`_pool_route_key`) -> ``(selection, state_v_first)``: the backend serving
+#: them and the resolved layout. A later call of the same signature goes straight to that
+#: backend's step, which still checks the index values (and, but for the CPU's fused step,
+#: every rule).
+_POOL_ROUTES: SignatureMemo[tuple[Selection, bool]] = SignatureMemo()
+
+
+def _pool_route_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
+                    cu_seqlens_cpu, state_v_first, transpose_state_layout, gk, gv, backend, ssm_state_indices,
+                    num_accepted_tokens, inplace_final_state, validate, initial_state_indices, retrieve_parent_token,
+                    intermediate_states_buffer, intermediate_state_indices,
+                    disable_state_update) -> Optional[tuple]:
+    """The signature of a public in-place pool step (:mod:`torch_gdr._decode_memo`, with the
+    backend and strict-mode variables the selection reads), or None for a call the route memo
+    does not serve: traced, varlen (offsets are values), without g or beta, or with serving
+    extras."""
+    if (torch.compiler.is_compiling() or g is None or beta is None or cu_seqlens is not None
+            or cu_seqlens_cpu is not None or gk is not None or gv is not None or retrieve_parent_token is not None
+            or intermediate_states_buffer is not None or intermediate_state_indices is not None
+            or disable_state_update is not False or inplace_final_state is False):
+        return None
+    return signature(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
+                     initial_state_indices, A_log, dt_bias, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                     transpose_state_layout, backend, inplace_final_state, validate,
+                     os.environ.get(BACKEND_ENV_VAR), strict_mode())
+
+
 def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, backend,
                ssm_state_indices, num_accepted_tokens, inplace_final_state, validate, gating,
-               initial_state_indices=None, serving=None):
+               initial_state_indices=None, serving=None, route_key=None):
     """The step over a state pool on the backend serving it: in place, or with the state
-    after every token in a new tensor (``inplace_final_state=False``)."""
+    after every token in a new tensor (``inplace_final_state=False``). ``route_key``: the
+    call's :func:`_pool_route_key`, under which an in-place step that ran is remembered."""
     if not isinstance(inplace_final_state, bool):
         raise TypeError(f"inplace_final_state: expected a bool, got {type(inplace_final_state).__name__}")
     if not isinstance(pool, torch.Tensor):
@@ -475,8 +528,10 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
                            initial_state_indices=initial_state_indices, validate=validate, **serving, **step)
         return o, pool
     if inplace_final_state:
+        selection = select_pool_step(q, v, ssm_state_indices, backend)
         o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
-                          initial_state_indices=initial_state_indices, **step)
+                          initial_state_indices=initial_state_indices, selection=selection, **step)
+        _POOL_ROUTES.put(route_key, (selection, state_v_first))
         return o, pool
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,

@@ -26,11 +26,12 @@ Dynamo sees them.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from torch_gdr import _pool
+from torch_gdr._decode_memo import SignatureMemo, quick_start_rows, signature
 from torch_gdr.ops.cpu import _build
 from torch_gdr._gating import Gating
 from torch_gdr.ops.cpu.kernels import KERNEL_DTYPES, _gating_args, _token_view
@@ -122,6 +123,64 @@ def _parent_table(retrieve_parent_token: Tensor, lens: tuple[int, ...], width: i
     return parents.masked_fill(past_end, -1).contiguous()
 
 
+class _CheckedShape(NamedTuple):
+    """What the pool rules derived from a decode call's metadata (no ``cu_seqlens``, no
+    serving extras), remembered per signature (:mod:`torch_gdr._decode_memo`)."""
+
+    token_major: bool
+    num_seqs: int
+    width: int
+    seq_len: int
+    slots: int
+    as_given: bool  # q, k, v, g, beta go to the kernel as they are (no cast, no copy)
+
+
+#: Decode signatures that passed :func:`torch_gdr._pool.check_pool_args` here.
+_CHECKED: SignatureMemo[_CheckedShape] = SignatureMemo()
+
+
+def _memo_key(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, ssm_state_indices: Tensor,
+              num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: Optional[float],
+              use_qk_l2norm_in_kernel: bool, state_v_first: bool, gating: Gating,
+              initial_state_indices: Optional[Tensor], extras: bool, disable_state_update: bool) -> Optional[tuple]:
+    """The signature of a plain decode step (None for one with ``cu_seqlens``, whose
+    offsets are values, or with serving extras, which have rules of their own)."""
+    if cu_seqlens is not None or extras or disable_state_update:
+        return None
+    return signature(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices, scale,
+                     use_qk_l2norm_in_kernel, state_v_first, *gating)
+
+
+def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                  initial_state_indices: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                  state_v_first: bool, gating: Gating) -> Optional[Tensor]:
+    """The step of a call whose signature passed the checks before: only the index values
+    are checked (:func:`quick_start_rows`); None where they might break a rule (the caller
+    then runs every check, for the error)."""
+    values = ssm_state_indices.tolist()
+    starts = quick_start_rows(values, None if num_accepted_tokens is None else num_accepted_tokens.tolist(),
+                              None if initial_state_indices is None else initial_state_indices.tolist(),
+                              shape.seq_len, shape.slots)
+    if starts is None:
+        return None
+    indices = ssm_state_indices
+    if indices.dtype != torch.int64 or not indices.is_contiguous():
+        indices = indices.to(torch.int64).contiguous()
+    indices = indices.view(shape.num_seqs, shape.width)
+    start_rows = indices.view(shape.num_seqs) if starts is values else torch.tensor(starts, dtype=torch.int64)
+    if shape.token_major:
+        q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0)
+    if not shape.as_given:
+        dtype = v.dtype
+        q, k, v = _token_view(q, dtype), _token_view(k, dtype), _token_view(v, dtype)
+        g, beta = _token_view(g, torch.float32), _token_view(beta, torch.float32)
+    o = ext.pool_recurrent_fwd(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool, indices,
+                               start_rows, use_qk_l2norm_in_kernel, None, state_v_first, *_gating_args(gating), None,
+                               True, None, None)
+    return o.squeeze(0) if shape.token_major else o
+
+
 def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
                         ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
                         cu_seqlens: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
@@ -132,18 +191,28 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         intermediate_states_buffer: Optional[Tensor] = None,
                         intermediate_state_indices: Optional[Tensor] = None,
                         disable_state_update: bool = False) -> Tensor:
-    """The op's eager body: every pool rule checked (index values read on the host), then the kernel."""
+    """The op's eager body: every pool rule checked (index values read on the host), then the
+    kernel; a plain decode step whose signature passed the checks before checks only its
+    index values (:mod:`torch_gdr._decode_memo`)."""
     gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    extras = (retrieve_parent_token is not None or intermediate_states_buffer is not None
+              or intermediate_state_indices is not None)
+    key = _memo_key(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
+                    use_qk_l2norm_in_kernel, state_v_first, gating, initial_state_indices, extras, disable_state_update)
+    shape = _CHECKED.get(key)
+    ext = _build.load()
+    if shape is not None and ext is not None:
+        o = _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+                          initial_state_indices, scale, use_qk_l2norm_in_kernel, state_v_first, gating)
+        if o is not None:
+            return o
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                                  start_indices=initial_state_indices, in_place=not disable_state_update)
-    extras = (retrieve_parent_token is not None or intermediate_states_buffer is not None
-              or intermediate_state_indices is not None)
     serve = None
     if extras:
         serve = _pool.check_serving_extras(plan, pool, retrieve_parent_token, intermediate_states_buffer,
                                            intermediate_state_indices, disable_state_update, contiguous_buffer=False)
-    ext = _build.load()
     if ext is None:
         raise RuntimeError(f"torch_gdr: the fused CPU kernels are unavailable ({_build.unavailable_reason()})")
     batched = [t.unsqueeze(0) if plan.token_major else t for t in (q, k, v, g, beta)]
@@ -166,6 +235,10 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, _host_rows(indices), _host_rows(plan.start_rows),
                                bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating),
                                parents, not disable_state_update, intermediate_states_buffer, buffer_rows)
+    if key is not None:
+        as_given = all(view is given for view, given in zip((qb, kb, vb, gb, bb), batched))
+        _CHECKED.put(key, _CheckedShape(plan.token_major, plan.num_seqs, width, plan.seq_lens[0], plan.slots,
+                                        as_given))
     return o.reshape(v.shape)
 
 

@@ -1,0 +1,273 @@
+"""The decode step's memo of checked signatures (:mod:`torch_gdr._decode_memo`).
+
+A pool step whose shapes, strides, dtypes and flags passed every check before skips those
+checks and tests only its index values. These tests hold the memo to the full rules:
+the quick value test against :func:`torch_gdr._pool.check_pool_args` on random index
+tables; every bad index value after a good call of the same signature, through the
+exported call, against the message the first call would get; results of calls served
+from the memo against the float64 recurrence; and what must change a signature (strides,
+grad mode, the backend variable).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+import torch_gdr
+from torch_gdr import _pool
+from torch_gdr._decode_memo import SignatureMemo, quick_start_rows, signature
+from torch_gdr.dispatch import BackendError
+from torch_gdr.ref.naive import naive_recurrent_gated_delta_rule
+
+H, HV, K, V, SLOTS = 1, 2, 8, 40, 8
+
+
+def _inputs(num_seqs: int, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Batched ``[N, T, ...]`` float32 decode inputs (no ``cu_seqlens``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(q=torch.randn(num_seqs, tokens, H, K, generator=gen), k=torch.randn(num_seqs, tokens, H, K, generator=gen),
+                v=torch.randn(num_seqs, tokens, HV, V, generator=gen),
+                g=torch.nn.functional.logsigmoid(torch.randn(num_seqs, tokens, HV, generator=gen)),
+                beta=torch.rand(num_seqs, tokens, HV, generator=gen))
+
+
+def _pool6(seed: int = 1) -> torch.Tensor:
+    return torch.randn(SLOTS, HV, K, V, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+def _step(x: dict, pool: torch.Tensor, idx: torch.Tensor, backend: str = "cpu", **kw) -> torch.Tensor:
+    o, returned = torch_gdr.fused_recurrent_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=pool, ssm_state_indices=idx, backend=backend,
+        use_qk_l2norm_in_kernel=True, **kw)
+    assert returned is pool
+    return o
+
+
+# --- the quick value test against the full rules ---------------------------------------------
+
+
+def _full_rules(table, accepted, starts, seq_len: int, width_1d: bool):
+    """The start rows :func:`check_pool_args` derives, or None where it raises ValueError."""
+    num = len(table)
+    x = _inputs(num, seq_len)
+    idx = torch.tensor([row[0] for row in table] if width_1d else table)
+    try:
+        plan = _pool.check_pool_args(*x.values(), None, torch.zeros(SLOTS, HV, K, V), ssm_state_indices=idx,
+                                     num_accepted_tokens=None if accepted is None else torch.tensor(accepted),
+                                     start_indices=None if starts is None else torch.tensor(starts))
+    except ValueError:
+        return None
+    return plan.start_rows.tolist()
+
+
+def test_quick_start_rows_agrees_with_the_full_rules() -> None:
+    """On random tables (rows in -2..SLOTS, repeats likely), the quick test returns exactly
+    the full checks' start rows where they pass, and None where they raise."""
+    rng = random.Random(0)
+    passed = refused = 0
+    for _ in range(600):
+        num, width = rng.randint(1, 4), rng.randint(1, 3)
+        width_1d = width == 1 and rng.random() < 0.5
+        seq_len = rng.randint(1, width)
+        table = [[rng.randint(-2, SLOTS) if rng.random() < 0.1 else rng.randint(-1, 7) for _ in range(width)]
+                 for _ in range(num)]
+        accepted = starts = None
+        kind = rng.random()
+        if kind < 0.35:
+            accepted = [rng.randint(0, width + 1) if rng.random() < 0.1 else rng.randint(1, width) for _ in range(num)]
+        elif kind < 0.6:
+            starts = [rng.randint(-1, 7) for _ in range(num)]
+        expected = _full_rules(table, accepted, starts, seq_len, width_1d)
+        values = [row[0] for row in table] if width_1d else table
+        got = quick_start_rows(values, accepted, starts, seq_len, SLOTS)
+        assert got == expected, (table, accepted, starts, seq_len, width_1d)
+        passed += expected is not None
+        refused += expected is None
+    assert passed > 100 and refused > 100  # both sides of every rule were met
+
+
+# --- bad index values after a good call of the same signature -------------------------------
+
+#: name -> (ssm_state_indices [2, 3] of two sequences of two tokens, num_accepted_tokens or None,
+#: message regex); the good calls before each have rows [[0, 1, -1], [2, 3, -1]] and
+#: [[5, 6, -1], [2, 3, -1]], with num_accepted_tokens [1, 1] where the case has one.
+MEMO_ERRORS = {
+    "past_pool": ([[0, SLOTS, -1], [2, 3, -1]], None,
+                  rf"ssm_state_indices: expected pool rows in \[-1, slots\) = \[-1, {SLOTS}\), got {SLOTS} at \[0, 1\]"),
+    "unused_entry_past_pool": ([[0, 1, SLOTS], [2, 3, -1]], None, rf"got {SLOTS} at \[0, 2\]"),
+    "below_minus1": ([[0, 1, -1], [-2, 3, -1]], None, r"got -2 at \[1, 0\]"),
+    "two_sequences_write_a_row": ([[0, 1, -1], [1, 3, -1]], None, r"ssm_state_indices\[1, 0\]: row 1 is written twice"),
+    "one_sequence_writes_twice": ([[4, 4, -1], [2, 3, -1]], None, r"row 4 is written twice"),
+    "accepted_zero": ([[0, 1, -1], [2, 3, -1]], [1, 0], r"num_accepted_tokens: expected values in 1..S = 1..3 .*got 0 "
+                                                        r"at index 1"),
+    "accepted_past_width": ([[0, 1, -1], [2, 3, -1]], [4, 1], r"got 4 at index 0"),
+    "read_row_written_by_other": ([[0, 1, -1], [2, 3, 0]], [1, 3], r"ssm_state_indices\[1, 2\]: row 0 is read by "
+                                                                   r"sequence 1 and written by sequence 0"),
+}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("name", sorted(MEMO_ERRORS))
+def test_bad_index_values_after_a_good_call_of_the_same_signature(backend: str, name: str) -> None:
+    rows, accepted, pattern = MEMO_ERRORS[name]
+    x = _inputs(2, 2)
+    pool = _pool6()
+    good_acc = None if accepted is None else torch.tensor([1, 1])
+    _step(x, pool, torch.tensor([[0, 1, -1], [2, 3, -1]]), backend, num_accepted_tokens=good_acc)
+    _step(x, pool, torch.tensor([[5, 6, -1], [2, 3, -1]]), backend, num_accepted_tokens=good_acc)  # from the memo
+    before = pool.clone()
+    with pytest.raises(ValueError, match=pattern):
+        _step(x, pool, torch.tensor(rows), backend, num_accepted_tokens=None if accepted is None else
+              torch.tensor(accepted))
+    assert torch.equal(pool, before)  # refused before anything was written
+
+
+def test_start_rows_read_by_another_sequence_after_a_good_call() -> None:
+    x = _inputs(2, 1)
+    pool = _pool6()
+    good = dict(initial_state_indices=torch.tensor([4, 5]))
+    _step(x, pool, torch.tensor([0, 1]), **good)
+    _step(x, pool, torch.tensor([2, 3]), **good)
+    with pytest.raises(ValueError, match=r"initial_state_indices\[1\]: row 0 is read by sequence 1 and written by "
+                                         r"sequence 0"):
+        _step(x, pool, torch.tensor([0, 1]), initial_state_indices=torch.tensor([4, 0]))
+
+
+# --- calls served from the memo compute the recurrence ---------------------------------------
+
+
+def _reference_step(x: dict, pool64: torch.Tensor, table: list, accepted=None) -> torch.Tensor:
+    """The float64 recurrence of one decode call on ``pool64`` (updated); returns ``o``."""
+    outs = []
+    num, tokens = x["q"].shape[:2]
+    for n in range(num):
+        column = 0 if accepted is None else accepted[n] - 1
+        start = table[n][column] if isinstance(table[n], list) else table[n]
+        state = (torch.zeros(HV, K, V, dtype=torch.float64) if start < 0 else pool64[start].clone())[None]
+        seq_out = []
+        for j in range(tokens):
+            piece = [x[f][n:n + 1, j:j + 1].double() for f in ("q", "k", "v", "g", "beta")]
+            o, state = naive_recurrent_gated_delta_rule(*piece, None, state, True, True)
+            row = table[n][j] if isinstance(table[n], list) else table[n]
+            if row >= 0:
+                pool64[row] = state[0]
+            seq_out.append(o[0, 0])
+        outs.append(torch.stack(seq_out))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool) -> None:
+    """A serving loop of one signature: every call after the first skips the metadata
+    checks (counted) and still matches the float64 recurrence, pool rows included."""
+    from torch_gdr.ops.cpu import pool as cpu_pool
+
+    full_checks = []
+    original = _pool.check_pool_args
+    monkeypatch.setattr(_pool, "check_pool_args", lambda *a, **kw: full_checks.append(1) or original(*a, **kw))
+    cpu_pool._CHECKED.clear()
+    pool = _pool6()
+    pool64 = pool.double()
+    rng = random.Random(3)
+    for step in range(6):
+        x = _inputs(3, 1, seed=step)
+        table = rng.sample(range(-1, SLOTS), 3)
+        if token_major:  # one sequence of one token a call, [T, ...] inputs
+            x = {f: t[0] for f, t in x.items()}
+            table = table[:1]
+        expected = _reference_step({f: (t[None] if token_major else t) for f, t in x.items()}, pool64, table)
+        o = _step(x, pool, torch.tensor(table, dtype=torch.int32))
+        assert o.shape == x["v"].shape
+        torch.testing.assert_close(o.reshape(expected.shape).double(), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pool.double(), pool64, rtol=1e-4, atol=1e-5)
+    assert len(full_checks) == 1
+
+
+def test_memo_tells_strides_apart() -> None:
+    """A q that is a strided view (every other element) after a contiguous q of the same
+    shape: a new signature, so the kernel gets a contiguous copy, not the view."""
+    x = _inputs(2, 1)
+    pool = _pool6()
+    pool64 = pool.double()
+    _reference_step(x, pool64, [0, 1])
+    _step(x, pool, torch.tensor([0, 1]))
+    wide = torch.randn(2, 1, H, 2 * K)
+    x["q"] = wide[..., ::2]
+    expected = _reference_step(x, pool64, [2, 3])
+    o = _step(x, pool, torch.tensor([2, 3]))
+    torch.testing.assert_close(o.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_memo_sees_grad_mode() -> None:
+    """A v requiring grad passes under no_grad; the same call with grad mode on is refused."""
+    x = _inputs(2, 1)
+    x["v"].requires_grad_()
+    pool = _pool6()
+    with torch.no_grad():
+        _step(x, pool, torch.tensor([0, 1]))
+        _step(x, pool, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"v: requires grad, but state pools are for inference"):
+        _step(x, pool, torch.tensor([0, 1]))
+
+
+def test_memo_sees_the_backend_variable(monkeypatch) -> None:
+    """The route of a default call is remembered with TORCH_GDR_BACKEND: naming another
+    backend there after a remembered call selects that one (fla refuses CPU tensors)."""
+    monkeypatch.delenv("TORCH_GDR_BACKEND", raising=False)
+    x = _inputs(2, 1)
+    pool = _pool6()
+    for _ in range(2):
+        torch_gdr.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta=x["beta"],
+                                                   initial_state=pool, ssm_state_indices=torch.tensor([0, 1]))
+    monkeypatch.setenv("TORCH_GDR_BACKEND", "fla")
+    with pytest.raises(BackendError, match=r"backend 'fla' cannot serve"):
+        torch_gdr.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta=x["beta"],
+                                                   initial_state=pool, ssm_state_indices=torch.tensor([0, 1]))
+
+
+# --- the memo itself ---------------------------------------------------------------------------
+
+
+def test_signature_tells_apart_what_the_checks_read() -> None:
+    t = torch.zeros(2, 3)
+    base = signature(t, None, 1.0, True)
+    assert signature(torch.zeros(2, 3), None, 1.0, True) == base
+    for other in (signature(torch.zeros(3, 2), None, 1.0, True), signature(t.t().contiguous().t(), None, 1.0, True),
+                  signature(torch.zeros(2, 3, dtype=torch.float64), None, 1.0, True),
+                  signature(torch.zeros(2, 3, requires_grad=True), None, 1.0, True),
+                  signature(t, t, 1.0, True), signature(t, None, 1, True), signature(t, None, 1.0, 1)):
+        assert other != base
+    with torch.no_grad():
+        assert signature(t, None, 1.0, True) != base
+    assert signature(t, [0, 1]) is None and signature(t, object()) is None
+
+
+def test_signature_memo_is_bounded_and_thread_safe() -> None:
+    memo: SignatureMemo[int] = SignatureMemo(limit=64)
+    errors = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(2000):
+                key = (seed, i % 200)
+                memo.put(key, i)
+                got = memo.get(key)
+                assert got is None or isinstance(got, int)
+                assert len(memo) <= 64
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(memo) <= 64
+    assert memo.get(None) is None
+    memo.put(None, 1)
+    memo.clear()
+    assert len(memo) == 0

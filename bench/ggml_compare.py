@@ -15,7 +15,9 @@ compared:
 - prefill, B = 1, T = 4096, K = V = 128, H4/HV4 and H16/HV32, a random initial state: our
   ``chunk_gated_delta_rule(backend="cpu")`` (o and the final state) against the op;
 - decode, one token, B = 1 / 8 / 64, H16/HV32: our pool step over a 512-slot float32 pool at
-  random rows, in place, and our per-sequence step (contiguous states, in place), against the
+  random rows, in place (the CPU backend's step, and the exported
+  ``fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)`` with int32 rows as serving
+  engines call it), and our per-sequence step (contiguous states, in place), against the
   op reading B contiguous states from a random place of a 512-slot value-first pool (its
   output, o and the new states, in one buffer of its own).
 
@@ -181,6 +183,12 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
         with torch.no_grad():
             pool_recurrent_fwd(*x.values(), None, pool, rows)
 
+    def public():  # the exported call as a serving engine makes it: int32 rows, in place
+        rows = torch.randperm(SLOTS, generator=gen)[:batch].to(torch.int32)
+        with torch.no_grad():
+            torch_gdr.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta=x["beta"],
+                                                       initial_state=pool, ssm_state_indices=rows, backend="cpu")
+
     def per_sequence():
         start = int(torch.randint(0, SLOTS - batch + 1, (1,), generator=gen))
         with torch.no_grad():
@@ -192,11 +200,13 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
         op.set_state(pool_vf[start:start + batch])
         op()
 
-    times = alternate({"pool_step": pool_step, "per_sequence": per_sequence, "ggml": ggml}, rounds, warmup=2)
+    times = alternate({"pool_step": pool_step, "public": public, "per_sequence": per_sequence, "ggml": ggml}, rounds,
+                      warmup=2)
     med = {n: statistics.median(t) * 1e6 for n, t in times.items()}
-    print(f"decode B={batch} H{heads}/HV{v_heads}: ours pool step {med['pool_step']:.0f} us, ours per-sequence "
-          f"{med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; ggml/ours pool step "
-          f"{ratio(times, 'ggml', 'pool_step'):.2f}x, ggml/ours per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
+    print(f"decode B={batch} H{heads}/HV{v_heads}: ours pool step {med['pool_step']:.0f} us (public call "
+          f"{med['public']:.0f} us), ours per-sequence {med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; "
+          f"ggml/ours pool step {ratio(times, 'ggml', 'pool_step'):.2f}x, public call "
+          f"{ratio(times, 'ggml', 'public'):.2f}x, per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
           f" (target B=1 >= 1.0); agreement {agree:.2e}")
     op.close()
 

@@ -8,9 +8,10 @@ one sequence on one value head, its S tokens (up to 16, speculative verification
 after another on the state held on chip. Per token and value head, on the vector unit,
 with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
-    kv = (d S)^T k,   u = beta v - beta kv,   o = (d S)^T q + (q . k) u,   S' = d S + k u^T
+    kv = (d S)^T k,   u = beta v - beta kv,   S' = d S + k u^T,   o = S'^T q
 
-(q scaled after its norm), and the state after the token is stored to the pool row its
+(q scaled after its norm; the output is read from the new state, as fla's recurrent
+kernel does, which saves the ``q . k`` term and leaves one matvec once q is on chip), and the state after the token is stored to the pool row its
 sequence names for that token. Rows are read and written in place through the row tables;
 a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
 entries: four paths in a one-token kernel, 2^S in a several-token one unless it stores
@@ -249,16 +250,17 @@ def build_decode_kernel(
         return rate, pypto.view(gate_params, [1, heads], [1, first_head])
 
     def one_token_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, first_head: Any,
-                         gates: Optional[tuple[Any, Any]]) -> list:
+                         gates: Optional[tuple[Any, Any]], zero_state: bool = False) -> list:
         """A one-token body's inputs per value head ``h``: ``(q, k [1, K], exp(g), beta,
-        beta v, q . k as [1, V] rows)``. One copy per input for all the body's heads (q and
+        beta v, q . k as [1, V] rows)`` (``q . k`` only for a ``zero_state``, else None).
+        One copy per input for all the body's heads (q and
         k ``[T * H, K]``, v ``[T * HV, V]``: a body's heads are adjacent rows; g and beta a
         row of ``[T, HV]``); the per-head rows are views of computed tiles (on chip)."""
         key_row = seq * num_qk_heads + first_head // group
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [key_heads, dk], [key_row, 0]), input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [key_heads, dk], [key_row, 0]), input_dtype))
-        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv])
+        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv]) if zero_state else None
         v_rows = fp32_of(pypto.view(v, [heads, dv], [seq * num_v_heads + first_head, 0]), input_dtype)
         pypto.set_vec_tile_shapes(8, 8)
         decay_row, beta_row = activations(pypto.view(g, [1, heads], [seq, first_head]),
@@ -269,7 +271,7 @@ def build_decode_kernel(
         for h in range(heads):
             kh = h // group if heads >= group else 0
             pypto.set_vec_tile_shapes(1, 128)
-            out.append(tuple(pypto.view(x, [1, width], [row, 0]) for x, width, row in (
+            out.append(tuple(None if x is None else pypto.view(x, [1, width], [row, 0]) for x, width, row in (
                 (q_rows, dk, kh), (k_rows, dk, kh), (decay, dv, h), (beta_cols, dv, h), (beta_v, dv, h), (qk, dv, kh))))
         return [out]
 
@@ -278,13 +280,12 @@ def build_decode_kernel(
         """A several-token body's inputs (one value head), per token as
         :func:`one_token_inputs`: one copy per input for all S tokens (q and k ``[T, H *
         K]``, v ``[T, HV * V]``: the sequence's tokens are adjacent rows), rows of computed
-        tiles per token."""
+        tiles per token (no ``q . k``: the state is never zero, a -1 row reads as a masked row)."""
         first = seq * tokens_per_seq
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]),
                                     input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype))
-        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [tokens_per_seq, dv])
         v_rows = fp32_of(pypto.view(v, [tokens_per_seq, dv], [first, head * dv]), input_dtype)
         pypto.set_vec_tile_shapes(small_rows, 8)
         g_col = pypto.view(g, [tokens_per_seq, 1], [first, head])
@@ -299,8 +300,8 @@ def build_decode_kernel(
         out = []
         for j in range(tokens_per_seq):
             pypto.set_vec_tile_shapes(1, 128)
-            out.append([tuple(pypto.view(x, [1, width], [j, 0]) for x, width in (
-                (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv), (qk, dv)))])
+            out.append([(*(pypto.view(x, [1, width], [j, 0]) for x, width in (
+                (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv))), None)])
         return out
 
     def decayed_row(pool: Any, first_row: Any, decay: Any, keep: Any = None) -> list:
@@ -322,28 +323,37 @@ def build_decode_kernel(
         times exp(g) (:func:`decayed_row`, or the previous state times the decay), None
         for a zero state. With ``d = exp(g)``::
 
-            kv = (d S)^T k,  u = beta v - beta kv,  o = (d S)^T q + (q . k) u,  S' = d S + k u^T
+            kv = (d S)^T k,  u = beta v - beta kv,  S' = d S + k u^T,  o = S'^T q
 
+        (fla's order: the output read from the new state, so no ``q . k`` term and the
+        only work left once q is on chip is one matvec; a zero state has ``o = (q . k) u``).
         Each block's column sums are taken apart and added (a sum over the whole ``[K, V]``
         is a pairwise reduction across its tiles)."""
         q_t, k_t, _, beta_t, beta_v, qk = inputs
         pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col, q_col = pypto.transpose(k_t, 0, 1), pypto.transpose(q_t, 0, 1)  # [K, 1]
+        k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
         k_blocks = [pypto.view(k_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
-        q_blocks = [pypto.view(q_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
-        kv = sq = None
-        for block, k_b, q_b in zip(state or [], k_blocks, q_blocks):
+        kv = None
+        for block, k_b in zip(state or [], k_blocks):
             kv_b = (block * k_b).sum(0, keepdim=True)
-            sq_b = (block * q_b).sum(0, keepdim=True)
             kv = kv_b if kv is None else kv + kv_b
-            sq = sq_b if sq is None else sq + sq_b
         pypto.set_vec_tile_shapes(1, 128)
         u = beta_v if state is None else beta_v - kv * beta_t
-        o_t = u * qk if state is None else sq + u * qk
-        pypto.assemble(o_t, [o_row, o_col], o)
         pypto.set_vec_tile_shapes(state_rows, 128)
         update = [pypto.expand_clone(k_b, [state_rows, dv]) * u for k_b in k_blocks]
-        return update if state is None else [block + up for block, up in zip(state, update)]
+        new_state = update if state is None else [block + up for block, up in zip(state, update)]
+        if state is None:
+            pypto.set_vec_tile_shapes(1, 128)
+            o_t = u * qk
+        else:
+            q_col = pypto.transpose(q_t, 0, 1)  # [K, 1]
+            o_t = None
+            for block, r in zip(new_state, range(0, dk, state_rows)):
+                o_b = (block * pypto.view(q_col, [state_rows, 1], [r, 0])).sum(0, keepdim=True)
+                o_t = o_b if o_t is None else o_t + o_b
+        pypto.set_vec_tile_shapes(1, 128)
+        pypto.assemble(o_t, [o_row, o_col], o)
+        return new_state
 
     def store(pool_out: Any, state: list, first_row: Any) -> None:
         pypto.set_vec_tile_shapes(state_rows, 128)
@@ -356,7 +366,7 @@ def build_decode_kernel(
         """One token of sequence ``seq`` on the body's value heads, one head after another
         (its row read, stepped, stored before the next: the rows do not pile up in the
         unified buffer). ``row_in``/``row_out``: the rows read and written, None for -1."""
-        per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates)[0]
+        per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates, zero_state=row_in is None)[0]
         for h in range(heads):
             head = first_head + h
             state = None if row_in is None else decayed_row(pool, (row_in * num_v_heads + head) * dk, per_head[h][2])

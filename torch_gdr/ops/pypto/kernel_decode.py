@@ -113,23 +113,42 @@ VECTOR_CORES = 48
 MAX_HEADS_PER_BODY = 16
 
 
-def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1) -> int:
+#: Cycles one task of a one-token kernel over an fp32 pool costs by value heads per body
+#: (pypto 0.2.0 cost model, H16/HV32, K = V = 128: the task itself plus ~6k of the
+#: scheduler's between tasks). A body of 8 fp32 heads costs more than twice one of 4: the
+#: unified buffer spills more of its rows (bench/RESULTS.md). Used as relative weights.
+FP32_TASK_CYCLES = {1: 16_700, 2: 21_300, 4: 29_500, 8: 61_200, 16: 103_400}
+
+
+def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1,
+                         pool_dtype: str = "float32") -> int:
     """Value heads one loop body (one vector task) runs.
 
-    One token a sequence: the fewest heads that let the step's tasks fit one wave over the
-    vector cores (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy
-    per small input, are paid once for all its heads), at most
-    :data:`MAX_HEADS_PER_BODY` and a divisor of HV: 1 while every (sequence, head) pair
-    gets a core (the step's latency is one pair's), then 2, 4, 8, 16 as the batch grows.
-    Several tokens a sequence: one head per body (the body carries its state, one fp32
-    ``[K, V]`` row, from token to token on chip; two would not fit the unified buffer)."""
-    if tokens_per_seq > 1 or num_seqs * num_v_heads <= VECTOR_CORES:
+    One token a sequence: a power of two dividing HV, at most :data:`MAX_HEADS_PER_BODY`
+    (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy per small
+    input, are paid once for all its heads); 1 while every (sequence, head) pair gets a
+    core (the step's latency is one pair's). Over an fp32 pool the one whose waves over
+    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (4 heads in two
+    waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool the fewest that
+    fit one wave (its 8-head bodies do not spill). Several tokens a sequence: one head per
+    body (the body carries its state, one fp32 ``[K, V]`` row, from token to token on chip;
+    two would not fit the unified buffer)."""
+    pairs = num_seqs * num_v_heads
+    if tokens_per_seq > 1 or pairs <= VECTOR_CORES:
         return 1
-    heads = 1
-    while (heads * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (heads * 2) == 0
-           and num_seqs * num_v_heads > VECTOR_CORES * heads):
-        heads *= 2
-    return heads
+    group = num_v_heads // max(num_qk_heads, 1)
+    candidates = [1]
+    while (candidates[-1] * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (candidates[-1] * 2) == 0):
+        candidates.append(candidates[-1] * 2)
+    candidates = [h for h in candidates if h % group == 0 or group % h == 0]
+    if pool_dtype == "float32":
+        def cost(h: int) -> int:
+            return -(-pairs // (h * max(VECTOR_CORES, 1))) * FP32_TASK_CYCLES[h]
+        return min(candidates, key=lambda h: (cost(h), h))
+    for heads in candidates:
+        if pairs <= VECTOR_CORES * heads:
+            return heads
+    return candidates[-1]
 
 
 def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,

@@ -238,6 +238,31 @@ def test_sixteen_tokens_per_sequence_on_device_acceptance_no_host_reads_compiled
     run_case([16, 13], 16, [16, 3], rows=rows, slots=34, validate=False, guard=monkeypatch, compiled=True, seed=21)
 
 
+@pytest.mark.parametrize("heads, width, lens, accepted, rows, gating", [
+    ((2, 2), 8, [8, 6], [8, 1], [[1, 2, -1, 4, 5, 6, 7, 8], [9, -1, 11, 12, 13, 14, 15, 16]], False),
+    ((1, 2), 8, [8], [5], [[1, 2, -1, 4, 5, 6, 7, 8]], True),
+    pytest.param((1, 2), 4, [4, 3], [2, 4], [[3, -1, 5, 6], [-1, 8, 9, 10]], False, marks=pytest.mark.slow)])  # 6 s
+def test_several_token_bodies_of_two_value_heads(heads: tuple[int, int], width: int, lens: list[int],
+                                                 accepted: list[int], rows: list[list[int]], gating: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A several-token step whose loop bodies run two value heads (forced at a tiny size):
+    each head's state carried from token to token beside the other's, one branch per
+    token's write row for both heads (S = 4), or every token stored (S = 8); the two heads
+    of one key head, or of two (H = HV); fla's activations in the kernel (each head its
+    own A_log, dt_bias); acceptance counts and -1 slots, against the float64 recurrence,
+    rows outside the written ones bit for bit."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case(lens, width, accepted, heads=heads, rows=rows, slots=18, nan_rows=(0,), seed=23,
+                 gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=False) if gating else None)
+        assert [key.heads_per_body for key in torch_gdr.ops.pypto.cache_info().decode.keys] == [2]
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
 def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
     """S = 5 runs on the S = 6 kernel (its sixth token padded: nothing written, no output),
     B sequences of S tokens each ([N, S] indices, no cu_seqlens), acceptance counts."""
@@ -296,6 +321,9 @@ def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(h: int, h
         assert len(info.keys) == info.misses == len(built) <= 16
         if hv == 32:  # the one-token kernel's fp32 task shapes all met
             assert sorted({c["heads_per_body"] for c in built if c["tokens_per_seq"] == 1}) == [1, 2, 4, 16]
+            # several tokens: one or two heads a body at S = 4, 8, 12, 16; one at 2, 3, 6
+            assert {c["heads_per_body"] for c in built if c["tokens_per_seq"] in (4, 8, 12, 16)} == {1, 2}
+            assert {c["heads_per_body"] for c in built if c["tokens_per_seq"] in (2, 3, 6)} == {1}
     finally:
         kernel_cache.decode_cache_clear()
 

@@ -2,10 +2,11 @@
 
 One launch runs the whole batch. The loop bodies are independent, each one vector task
 (``pg_skip_partition``). A one-token kernel's body runs one sequence on 1, 2, 4, 8 or 16
-adjacent value heads (:func:`value_heads_per_body`: the fewest that fit the step in one
-wave over the vector cores), one head after another; a several-token kernel's body runs
-one sequence on one value head, its S tokens (up to 16, speculative verification) one
-after another on the state held on chip. Per token and value head, on the vector unit,
+adjacent value heads (:func:`value_heads_per_body`: by the cost of the step's waves over
+the vector cores), one head after another; a several-token kernel's body runs one
+sequence on one or two value heads, its S tokens (up to 16, speculative verification)
+one after another on the states held on chip (the heads one after another within a
+token). Per token and value head, on the vector unit,
 with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
     kv = (d S)^T k,   u = beta v - beta kv,   S' = d S + k u^T,   o = S'^T q
@@ -73,8 +74,8 @@ The batch B is not built into the kernel: every tensor's first dimension is dyna
 the body loop runs ``bodies[0]`` times (in the cost model a loop bound read from a tensor
 costs the same cycles as a constant one). The kernel is specialised on S (the host pads S
 to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`) and on the value heads per
-body (five shapes at one token, one above), so a configuration has at most 12 decode
-kernels.
+body (five shapes at one token; at S = 4, 8, 12 and 16 one or two heads, one head at
+the other buckets), so a configuration has at most 5 + 7 + 4 = 16 decode kernels.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -120,6 +121,16 @@ MAX_HEADS_PER_BODY = 16
 FP32_TASK_CYCLES = {1: 16_700, 2: 21_300, 4: 29_500, 8: 61_200, 16: 103_400}
 
 
+#: Value heads of a several-token body once the step's pairs outnumber the vector cores
+#: (cost model, fp32 pool, S = 4: B = 8 140,744 cycles against 182,996 for one head and
+#: 170,838 for four; B = 64 1,122,158 against 1,452,179 and 1,020,719).
+WIDE_SEQUENCE_HEADS = 2
+#: Token buckets whose several-token kernel also comes with wide bodies: four buckets
+#: (with the one-token kernel's five body sizes and one kernel per other bucket, 16
+#: kernels a configuration at most).
+WIDE_TOKEN_BUCKETS = (4, 8, 12, 16)
+
+
 def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1,
                          pool_dtype: str = "float32") -> int:
     """Value heads one loop body (one vector task) runs.
@@ -131,12 +142,17 @@ def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tok
     the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (4 heads in two
     waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool the fewest that
     fit one wave (its 8-head bodies do not spill). Several tokens a sequence: one head per
-    body (the body carries its state, one fp32 ``[K, V]`` row, from token to token on chip;
-    two would not fit the unified buffer)."""
+    body while every pair gets a core, else :data:`WIDE_SEQUENCE_HEADS` for the token
+    buckets in :data:`WIDE_TOKEN_BUCKETS` (fewer tasks, each paying the scheduler once for
+    the heads' S tokens), one head for the others (a configuration's kernel count)."""
     pairs = num_seqs * num_v_heads
-    if tokens_per_seq > 1 or pairs <= VECTOR_CORES:
-        return 1
     group = num_v_heads // max(num_qk_heads, 1)
+    if tokens_per_seq > 1:
+        wide = WIDE_SEQUENCE_HEADS
+        fits = num_v_heads % wide == 0 and (wide % group == 0 or group % wide == 0)
+        return wide if tokens_per_seq in WIDE_TOKEN_BUCKETS and pairs > VECTOR_CORES and fits else 1
+    if pairs <= VECTOR_CORES:
+        return 1
     candidates = [1]
     while (candidates[-1] * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (candidates[-1] * 2) == 0):
         candidates.append(candidates[-1] * 2)
@@ -160,9 +176,9 @@ def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_head
         raise ValueError(f"num_v_heads={num_v_heads} must be a positive multiple of num_qk_heads={num_qk_heads}")
     group = num_v_heads // num_qk_heads
     if heads_per_body < 1 or num_v_heads % heads_per_body or (heads_per_body > group and heads_per_body % group) or (
-            heads_per_body < group and group % heads_per_body) or (tokens_per_seq > 1 and heads_per_body != 1):
+            heads_per_body < group and group % heads_per_body) or (tokens_per_seq > 1 and heads_per_body not in (1, 2, 4)):
         raise ValueError(f"heads_per_body: expected a divisor of num_v_heads = {num_v_heads} that divides or is a "
-                         f"multiple of num_v_heads // num_qk_heads = {group} (1 for more than one token a sequence), "
+                         f"multiple of num_v_heads // num_qk_heads = {group} (1, 2 or 4 for more than one token a sequence), "
                          f"got {heads_per_body} with tokens_per_seq = {tokens_per_seq}")
     if not 1 <= tokens_per_seq <= MAX_TOKENS_PER_SEQ:
         raise ValueError(f"tokens_per_seq: expected 1..{MAX_TOKENS_PER_SEQ}, got {tokens_per_seq}")
@@ -296,7 +312,7 @@ def build_decode_kernel(
 
     def sequence_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, head: Any,
                         gates: Optional[tuple[Any, Any]]) -> list:
-        """A several-token body's inputs (one value head), per token as
+        """A several-token body's inputs for one of its value heads, per token as
         :func:`one_token_inputs`: one copy per input for all S tokens (q and k ``[T, H *
         K]``, v ``[T, HV * V]``: the sequence's tokens are adjacent rows), rows of computed
         tiles per token (no ``q . k``: the state is never zero, a -1 row reads as a masked row)."""
@@ -410,6 +426,24 @@ def build_decode_kernel(
         store(pool_out, state, (row_out * num_v_heads + head) * dk)
 
     token_offsets = tuple(range(tokens_per_seq))
+
+    def sequence_states(q: Any, k: Any, v: Any, g: Any, beta: Any, read_rows: Any, pool: Any, seq: Any,
+                        first_head: Any, gates: Optional[tuple[Any, Any]]) -> tuple[list, list]:
+        """A several-token body's inputs and decayed start states, per value head."""
+        pypto.set_vec_tile_shapes(8, 8)
+        per_head = [None if gates is None else tuple(pypto.view(x, [1, 1], [0, h]) for x in gates)
+                    for h in range(heads)]  # the body's gate terms are [1, heads]
+        inputs = [sequence_inputs(q, k, v, g, beta, seq, first_head + h, per_head[h]) for h in range(heads)]
+        return inputs, [sequence_start(read_rows, pool, seq, first_head + h, inputs[h]) for h in range(heads)]
+
+    def sequence_tokens(states: list, inputs: list, o: Any, seq: Any, first_head: Any, j: int) -> list:
+        """Token ``j`` on the body's value heads, one after another."""
+        return [sequence_token(states[h], inputs[h], o, seq, first_head + h, j) for h in range(heads)]
+
+    def sequence_stores(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
+        for h in range(heads):
+            sequence_store(pool_out, states[h], row_out, first_head + h)
+
     jit = pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
                              pass_options={"pg_skip_partition": True})
     q_shape = [pypto.DYNAMIC, dk] if one_token else [num_tokens, num_qk_heads * dk]  # rows: T * H or T
@@ -452,15 +486,14 @@ def build_decode_kernel(
                     else:
                         one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None)
             else:
-                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, None)
-                state = sequence_start(read_rows, pool, seq, first_head, inputs)
-                for j in token_offsets:  # unrolled: the state stays on chip from token to token
-                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, None)
+                for j in token_offsets:  # unrolled: the states stay on chip from token to token
+                    states = sequence_tokens(states, inputs, o, seq, first_head, j)
                     row_out = write_rows[seq * tokens_per_seq + j]
                     if store_every_token:
-                        sequence_store(pool_out, state, row_out, first_head)
-                    elif row_out >= 0:
-                        sequence_store(pool_out, state, row_out, first_head)
+                        sequence_stores(pool_out, states, row_out, first_head)
+                    elif row_out >= 0:  # one branch a token for all the body's heads
+                        sequence_stores(pool_out, states, row_out, first_head)
 
     # The gated variant: the same body with the raw gate's parameters (a second jit function:
     # pypto reads the signature, and the plain kernel keeps its arguments).
@@ -497,14 +530,13 @@ def build_decode_kernel(
                     else:
                         one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None, gates)
             else:
-                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, gates)
-                state = sequence_start(read_rows, pool, seq, first_head, inputs)
-                for j in token_offsets:
-                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, gates)
+                for j in token_offsets:  # unrolled: the states stay on chip from token to token
+                    states = sequence_tokens(states, inputs, o, seq, first_head, j)
                     row_out = write_rows[seq * tokens_per_seq + j]
                     if store_every_token:
-                        sequence_store(pool_out, state, row_out, first_head)
-                    elif row_out >= 0:
-                        sequence_store(pool_out, state, row_out, first_head)
+                        sequence_stores(pool_out, states, row_out, first_head)
+                    elif row_out >= 0:  # one branch a token for all the body's heads
+                        sequence_stores(pool_out, states, row_out, first_head)
 
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel

@@ -238,6 +238,24 @@ def test_sixteen_tokens_per_sequence_on_device_acceptance_no_host_reads_compiled
     run_case([16, 13], 16, [16, 3], rows=rows, slots=34, validate=False, guard=monkeypatch, compiled=True, seed=21)
 
 
+@pytest.mark.parametrize("gating", [False, True])
+def test_one_token_bodies_of_eight_heads_over_a_half_pool(gating: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-token bodies of eight value heads over a bf16 pool (forced at a tiny size), the
+    kernel that reads the output from the state before the update (``(d S)^T q + (q . k)
+    u``), with and without fla's activations: a row read and written, a -1 row, against
+    the float64 recurrence (rows rounded at the store), other rows bit for bit."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([1, 1], None, None, heads=(2, 8), rows=[[3], [-1]], pool_dtype=torch.bfloat16, nan_rows=(0,),
+                 seed=29, gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True) if gating else None)
+        assert [key.heads_per_body for key in torch_gdr.ops.pypto.cache_info().decode.keys] == [8]
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
 @pytest.mark.parametrize("heads, width, lens, accepted, rows, gating", [
     ((2, 2), 8, [8, 6], [8, 1], [[1, 2, -1, 4, 5, 6, 7, 8], [9, -1, 11, 12, 13, 14, 15, 16]], False),
     ((1, 2), 8, [8], [5], [[1, 2, -1, 4, 5, 6, 7, 8]], True),

@@ -12,7 +12,9 @@ with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
     kv = (d S)^T k,   u = beta v - beta kv,   S' = d S + k u^T,   o = S'^T q
 
 (q scaled after its norm; the output is read from the new state, as fla's recurrent
-kernel does, which saves the ``q . k`` term and leaves one matvec once q is on chip), and the state after the token is stored to the pool row its
+kernel does, which saves the ``q . k`` term and leaves one matvec once q is on chip;
+one-token bodies of 8 or more heads over a 2-byte pool or with the activations take
+``o = (d S)^T q + (q . k) u``, which the cost model runs faster there), and the state after the token is stored to the pool row its
 sequence names for that token. Rows are read and written in place through the row tables;
 a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
 entries: four paths in a one-token kernel, 2^S in a several-token one unless it stores
@@ -258,6 +260,12 @@ def build_decode_kernel(
     # the cast of a 2-byte row.
     read_rows_tile = dk if one_token and pool_dtype == "float32" and dk * min(dv, 128) * 4 <= 65536 else state_rows
     small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
+    # The output from the state after the update (fla's order, no q . k term) everywhere but
+    # in one-token bodies of 8 or more heads over a 2-byte pool or with the activations,
+    # where the cost model's scheduler places that order's tiles worse (bench/RESULTS.md:
+    # H16/HV32, B = 64, bf16 pool 264,629 against 247,343 cycles; activations 351,056
+    # against 281,915; fp32 pool without them 299,201 against 333,773).
+    output_from_new_state = not (one_token and heads >= 8 and (pool_dtype != "float32" or gate_in_kernel))
 
     def fp32_of(x: Any, dtype: str) -> Any:
         return x if dtype == "float32" else pypto.cast(x, fp32)
@@ -287,7 +295,8 @@ def build_decode_kernel(
     def one_token_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, first_head: Any,
                          gates: Optional[tuple[Any, Any]], zero_state: bool = False) -> list:
         """A one-token body's inputs per value head ``h``: ``(q, k [1, K], exp(g), beta,
-        beta v, q . k as [1, V] rows)`` (``q . k`` only for a ``zero_state``, else None).
+        beta v, q . k as [1, V] rows)`` (``q . k`` only for a ``zero_state`` or where the
+        output is read from the state before the update, else None).
         One copy per input for all the body's heads (q and
         k ``[T * H, K]``, v ``[T * HV, V]``: a body's heads are adjacent rows; g and beta a
         row of ``[T, HV]``); the per-head rows are views of computed tiles (on chip)."""
@@ -295,7 +304,8 @@ def build_decode_kernel(
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [key_heads, dk], [key_row, 0]), input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [key_heads, dk], [key_row, 0]), input_dtype))
-        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv]) if zero_state else None
+        qk = (pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv])
+              if zero_state or not output_from_new_state else None)
         v_rows = fp32_of(pypto.view(v, [heads, dv], [seq * num_v_heads + first_head, 0]), input_dtype)
         pypto.set_vec_tile_shapes(8, 8)
         decay_row, beta_row = activations(pypto.view(g, [1, heads], [seq, first_head]),
@@ -315,12 +325,15 @@ def build_decode_kernel(
         """A several-token body's inputs for one of its value heads, per token as
         :func:`one_token_inputs`: one copy per input for all S tokens (q and k ``[T, H *
         K]``, v ``[T, HV * V]``: the sequence's tokens are adjacent rows), rows of computed
-        tiles per token (no ``q . k``: the state is never zero, a -1 row reads as a masked row)."""
+        tiles per token (``q . k`` only where the output is read from the state before the
+        update: the state is never zero, a -1 row reads as a masked row)."""
         first = seq * tokens_per_seq
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]),
                                     input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype))
+        qk = None if output_from_new_state else pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True),
+                                                                   [tokens_per_seq, dv])
         v_rows = fp32_of(pypto.view(v, [tokens_per_seq, dv], [first, head * dv]), input_dtype)
         pypto.set_vec_tile_shapes(small_rows, 8)
         g_col = pypto.view(g, [tokens_per_seq, 1], [first, head])
@@ -335,8 +348,8 @@ def build_decode_kernel(
         out = []
         for j in range(tokens_per_seq):
             pypto.set_vec_tile_shapes(1, 128)
-            out.append([(*(pypto.view(x, [1, width], [j, 0]) for x, width in (
-                (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv))), None)])
+            out.append([tuple(None if x is None else pypto.view(x, [1, width], [j, 0]) for x, width in (
+                (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv), (qk, dv)))])
         return out
 
     def decayed_row(pool: Any, first_row: Any, decay: Any, keep: Any = None) -> list:
@@ -358,36 +371,43 @@ def build_decode_kernel(
         times exp(g) (:func:`decayed_row`, or the previous state times the decay), None
         for a zero state. With ``d = exp(g)``::
 
-            kv = (d S)^T k,  u = beta v - beta kv,  S' = d S + k u^T,  o = S'^T q
+            kv = (d S)^T k,  u = beta v - beta kv,  S' = d S + k u^T,
+            o = S'^T q  (fla's order)  or  o = (d S)^T q + (q . k) u
 
-        (fla's order: the output read from the new state, so no ``q . k`` term and the
-        only work left once q is on chip is one matvec; a zero state has ``o = (q . k) u``).
-        Each block's column sums are taken apart and added (a sum over the whole ``[K, V]``
-        is a pairwise reduction across its tiles)."""
+        The first (``output_from_new_state``) has no ``q . k`` term and leaves one matvec
+        once q is on chip; the second reads the output from the state before the update
+        (a zero state: ``o = (q . k) u``). Which one the cost model runs faster depends
+        on how its scheduler places the tiles (``output_from_new_state`` above). Each
+        block's column sums are taken apart and added (a sum over the whole ``[K, V]`` is
+        a pairwise reduction across its tiles)."""
         q_t, k_t, _, beta_t, beta_v, qk = inputs
         pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col = pypto.transpose(k_t, 0, 1)  # [K, 1]
+        k_col, q_col = pypto.transpose(k_t, 0, 1), pypto.transpose(q_t, 0, 1)  # [K, 1]
         k_blocks = [pypto.view(k_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
-        kv = None
-        for block, k_b in zip(state or [], k_blocks):
+        q_blocks = [pypto.view(q_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
+        late_output = output_from_new_state and state is not None
+        kv = sq = None
+        for block, k_b, q_b in zip(state or [], k_blocks, q_blocks):
             kv_b = (block * k_b).sum(0, keepdim=True)
             kv = kv_b if kv is None else kv + kv_b
+            if not late_output:
+                sq_b = (block * q_b).sum(0, keepdim=True)
+                sq = sq_b if sq is None else sq + sq_b
         pypto.set_vec_tile_shapes(1, 128)
         u = beta_v if state is None else beta_v - kv * beta_t
+        if not late_output:
+            o_t = u * qk if state is None else sq + u * qk
+            pypto.assemble(o_t, [o_row, o_col], o)
         pypto.set_vec_tile_shapes(state_rows, 128)
         update = [pypto.expand_clone(k_b, [state_rows, dv]) * u for k_b in k_blocks]
         new_state = update if state is None else [block + up for block, up in zip(state, update)]
-        if state is None:
-            pypto.set_vec_tile_shapes(1, 128)
-            o_t = u * qk
-        else:
-            q_col = pypto.transpose(q_t, 0, 1)  # [K, 1]
+        if late_output:
             o_t = None
-            for block, r in zip(new_state, range(0, dk, state_rows)):
-                o_b = (block * pypto.view(q_col, [state_rows, 1], [r, 0])).sum(0, keepdim=True)
+            for block, q_b in zip(new_state, q_blocks):
+                o_b = (block * q_b).sum(0, keepdim=True)
                 o_t = o_b if o_t is None else o_t + o_b
-        pypto.set_vec_tile_shapes(1, 128)
-        pypto.assemble(o_t, [o_row, o_col], o)
+            pypto.set_vec_tile_shapes(1, 128)
+            pypto.assemble(o_t, [o_row, o_col], o)
         return new_state
 
     def store(pool_out: Any, state: list, first_row: Any) -> None:

@@ -238,6 +238,49 @@ def test_sixteen_tokens_per_sequence_on_device_acceptance_no_host_reads_compiled
     run_case([16, 13], 16, [16, 3], rows=rows, slots=34, validate=False, guard=monkeypatch, compiled=True, seed=21)
 
 
+@pytest.mark.parametrize("gating", [False, True])
+def test_one_token_bodies_of_eight_heads_over_a_half_pool(gating: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-token bodies of eight value heads over a bf16 pool (forced at a tiny size), the
+    kernel that reads the output from the state before the update (``(d S)^T q + (q . k)
+    u``), with and without fla's activations: a row read and written, a -1 row, against
+    the float64 recurrence (rows rounded at the store), other rows bit for bit."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case([1, 1], None, None, heads=(2, 8), rows=[[3], [-1]], pool_dtype=torch.bfloat16, nan_rows=(0,),
+                 seed=29, gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=True) if gating else None)
+        assert [key.heads_per_body for key in torch_gdr.ops.pypto.cache_info().decode.keys] == [8]
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
+@pytest.mark.parametrize("heads, width, lens, accepted, rows, gating", [
+    ((2, 2), 8, [8, 6], [8, 1], [[1, 2, -1, 4, 5, 6, 7, 8], [9, -1, 11, 12, 13, 14, 15, 16]], False),
+    ((1, 2), 8, [8], [5], [[1, 2, -1, 4, 5, 6, 7, 8]], True),
+    pytest.param((1, 2), 4, [4, 3], [2, 4], [[3, -1, 5, 6], [-1, 8, 9, 10]], False, marks=pytest.mark.slow)])  # 6 s
+def test_several_token_bodies_of_two_value_heads(heads: tuple[int, int], width: int, lens: list[int],
+                                                 accepted: list[int], rows: list[list[int]], gating: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A several-token step whose loop bodies run two value heads (forced at a tiny size):
+    each head's state carried from token to token beside the other's, one branch per
+    token's write row for both heads (S = 4), or every token stored (S = 8); the two heads
+    of one key head, or of two (H = HV); fla's activations in the kernel (each head its
+    own A_log, dt_bias); acceptance counts and -1 slots, against the float64 recurrence,
+    rows outside the written ones bit for bit."""
+    from torch_gdr.ops.pypto import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "VECTOR_CORES", 0)
+    kernel_cache.decode_cache_clear()
+    try:
+        run_case(lens, width, accepted, heads=heads, rows=rows, slots=18, nan_rows=(0,), seed=23,
+                 gating=dict(gate=True, dt_bias=True, beta_sigmoid=True, neg_eigval=False) if gating else None)
+        assert [key.heads_per_body for key in torch_gdr.ops.pypto.cache_info().decode.keys] == [2]
+    finally:
+        kernel_cache.decode_cache_clear()
+
+
 def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
     """S = 5 runs on the S = 6 kernel (its sixth token padded: nothing written, no output),
     B sequences of S tokens each ([N, S] indices, no cu_seqlens), acceptance counts."""
@@ -253,13 +296,14 @@ def test_a_width_between_buckets_is_padded_to_its_bucket() -> None:
 
 
 @pytest.mark.parametrize("h, hv, batches", [(1, 2, (1, 3, 24, 25, 100, 256)),
-                                             pytest.param(16, 32, (1, 2, 3, 4, 6, 8, 17), marks=pytest.mark.slow)])
+                                             pytest.param(16, 32, (1, 2, 3, 4, 6, 8, 17, 64), marks=pytest.mark.slow)])
 def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(h: int, hv: int, batches: tuple[int, ...],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A serving loop over every S in 1..16 and batches from 1 to 256 (a spread of sizes:
     at H16/HV32 every task shape of the one-token kernel, 1 to 16 value heads a body)
     builds at most 16 decode kernels for one configuration, each for an S at least the
-    step's: the keys of cache_info() counted. The kernels are stubs (nothing is built or
+    step's: the keys of cache_info() counted (over this fp32 pool the one-token bodies
+    skip 8 heads, which cost more than two of 4). The kernels are stubs (nothing is built or
     run: the cache's builder and the launch replaced) so the loop takes seconds."""
     from torch_gdr.ops.pypto import decode
 
@@ -293,8 +337,11 @@ def test_at_most_16_decode_kernels_for_batches_to_256_and_widths_to_16(h: int, h
                 assert width <= served[-1] <= width + width // 3
         info = torch_gdr.ops.pypto.cache_info().decode
         assert len(info.keys) == info.misses == len(built) <= 16
-        if hv == 32:  # the one-token kernel's task shapes all met
-            assert sorted({c["heads_per_body"] for c in built if c["tokens_per_seq"] == 1}) == [1, 2, 4, 8, 16]
+        if hv == 32:  # the one-token kernel's fp32 task shapes all met
+            assert sorted({c["heads_per_body"] for c in built if c["tokens_per_seq"] == 1}) == [1, 2, 4, 16]
+            # several tokens: one or two heads a body at S = 4, 8, 12, 16; one at 2, 3, 6
+            assert {c["heads_per_body"] for c in built if c["tokens_per_seq"] in (4, 8, 12, 16)} == {1, 2}
+            assert {c["heads_per_body"] for c in built if c["tokens_per_seq"] in (2, 3, 6)} == {1}
     finally:
         kernel_cache.decode_cache_clear()
 

@@ -3,8 +3,8 @@ the semantics: :mod:`torch_gdr._pool`).
 
 One kernel launch per step for the whole batch. The kernel's batch is dynamic (no padding
 of sequences); S is padded to its bucket (:func:`token_bucket`), so a serving loop meets at
-most 12 kernels per configuration (8 token buckets; up to five task shapes by batch size for
-one token a sequence, one for more).
+most 16 kernels per configuration (8 token buckets; up to five task shapes by batch size for
+one token a sequence, two at S = 4, 8, 12 and 16, one at the other buckets).
 Sequences shorter than the speculative width S are padded with tokens whose write rows are
 -1 (their outputs are dropped). The row tables are built with device ops from the index tensors (no host read
 of them here; :func:`torch_gdr._pool.check_pool_args` validates them as the semantics
@@ -59,8 +59,8 @@ def token_bucket(width: int) -> int:
     """The tokens per sequence (S) the kernel for a step of ``width`` tokens a sequence is
     built for: the powers of two and the midpoints between them up to 16 (1, 2, 3, 4, 6, 8,
     12, 16), so padding wastes at most a third of a launch and a configuration meets at
-    most eight token buckets (one token: up to five task shapes; more: one; at most 12
-    kernels). The host pads a sequence to its bucket with tokens whose write rows are -1."""
+    most eight token buckets (one token: up to five task shapes; S = 4, 8, 12, 16: two;
+    the others: one; at most 16 kernels). The host pads a sequence to its bucket with tokens whose write rows are -1."""
     from .kernel_decode import MAX_TOKENS_PER_SEQ
 
     if not 1 <= width <= MAX_TOKENS_PER_SEQ:
@@ -277,7 +277,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         write_rows = slot_of if store_every_token else torch.where(write_rows >= 0, slot_of, write_rows)
     read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
-    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width)
+    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width, _DTYPE_NAMES[pool.dtype])
     bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
     gating = gating or Gating()

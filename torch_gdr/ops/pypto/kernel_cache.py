@@ -210,8 +210,8 @@ class DecodeKernelKey:
     """Everything a decode-step kernel is specialised on; ``kind`` tells it from other keys.
     The batch is not part of it (the kernel's batch is dynamic); it enters only through
     ``heads_per_body`` (one-token kernels: 1, 2, 4, 8 or 16 value heads a body, at most
-    five; several-token ones: 1), and S as its bucket
-    (:func:`torch_gdr.ops.pypto.decode.token_bucket`): at most 5 + 7 = 12 kernels per
+    five; several-token ones: 1, or 2 at S = 4, 8, 12, 16), and S as its bucket
+    (:func:`torch_gdr.ops.pypto.decode.token_bucket`): at most 5 + 7 + 4 = 16 kernels per
     configuration of heads, head dims and dtypes."""
 
     heads_per_body: int

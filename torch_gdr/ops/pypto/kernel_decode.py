@@ -2,15 +2,19 @@
 
 One launch runs the whole batch. The loop bodies are independent, each one vector task
 (``pg_skip_partition``). A one-token kernel's body runs one sequence on 1, 2, 4, 8 or 16
-adjacent value heads (:func:`value_heads_per_body`: the fewest that fit the step in one
-wave over the vector cores), one head after another; a several-token kernel's body runs
-one sequence on one value head, its S tokens (up to 16, speculative verification) one
-after another on the state held on chip. Per token and value head, on the vector unit,
+adjacent value heads (:func:`value_heads_per_body`: by the cost of the step's waves over
+the vector cores), one head after another; a several-token kernel's body runs one
+sequence on one or two value heads, its S tokens (up to 16, speculative verification)
+one after another on the states held on chip (the heads one after another within a
+token). Per token and value head, on the vector unit,
 with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
-    kv = (d S)^T k,   u = beta v - beta kv,   o = (d S)^T q + (q . k) u,   S' = d S + k u^T
+    kv = (d S)^T k,   u = beta v - beta kv,   S' = d S + k u^T,   o = S'^T q
 
-(q scaled after its norm), and the state after the token is stored to the pool row its
+(q scaled after its norm; the output is read from the new state, as fla's recurrent
+kernel does, which saves the ``q . k`` term and leaves one matvec once q is on chip;
+one-token bodies of 8 or more heads over a 2-byte pool or with the activations take
+``o = (d S)^T q + (q . k) u``, which the cost model runs faster there), and the state after the token is stored to the pool row its
 sequence names for that token. Rows are read and written in place through the row tables;
 a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
 entries: four paths in a one-token kernel, 2^S in a several-token one unless it stores
@@ -72,8 +76,8 @@ The batch B is not built into the kernel: every tensor's first dimension is dyna
 the body loop runs ``bodies[0]`` times (in the cost model a loop bound read from a tensor
 costs the same cycles as a constant one). The kernel is specialised on S (the host pads S
 to a bucket, :func:`torch_gdr.ops.pypto.decode.token_bucket`) and on the value heads per
-body (five shapes at one token, one above), so a configuration has at most 12 decode
-kernels.
+body (five shapes at one token; at S = 4, 8, 12 and 16 one or two heads, one head at
+the other buckets), so a configuration has at most 5 + 7 + 4 = 16 decode kernels.
 """
 
 # No `from __future__ import annotations`: pypto reads the jit signature's annotations as objects.
@@ -112,23 +116,57 @@ VECTOR_CORES = 48
 MAX_HEADS_PER_BODY = 16
 
 
-def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1) -> int:
+#: Cycles one task of a one-token kernel over an fp32 pool costs by value heads per body
+#: (pypto 0.2.0 cost model, H16/HV32, K = V = 128: the task itself plus ~6k of the
+#: scheduler's between tasks). A body of 8 fp32 heads costs more than twice one of 4: the
+#: unified buffer spills more of its rows (bench/RESULTS.md). Used as relative weights.
+FP32_TASK_CYCLES = {1: 16_700, 2: 21_300, 4: 29_500, 8: 61_200, 16: 103_400}
+
+
+#: Value heads of a several-token body once the step's pairs outnumber the vector cores
+#: (cost model, fp32 pool, S = 4: B = 8 140,744 cycles against 182,996 for one head and
+#: 170,838 for four; B = 64 1,122,158 against 1,452,179 and 1,020,719).
+WIDE_SEQUENCE_HEADS = 2
+#: Token buckets whose several-token kernel also comes with wide bodies: four buckets
+#: (with the one-token kernel's five body sizes and one kernel per other bucket, 16
+#: kernels a configuration at most).
+WIDE_TOKEN_BUCKETS = (4, 8, 12, 16)
+
+
+def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1,
+                         pool_dtype: str = "float32") -> int:
     """Value heads one loop body (one vector task) runs.
 
-    One token a sequence: the fewest heads that let the step's tasks fit one wave over the
-    vector cores (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy
-    per small input, are paid once for all its heads), at most
-    :data:`MAX_HEADS_PER_BODY` and a divisor of HV: 1 while every (sequence, head) pair
-    gets a core (the step's latency is one pair's), then 2, 4, 8, 16 as the batch grows.
-    Several tokens a sequence: one head per body (the body carries its state, one fp32
-    ``[K, V]`` row, from token to token on chip; two would not fit the unified buffer)."""
-    if tokens_per_seq > 1 or num_seqs * num_v_heads <= VECTOR_CORES:
+    One token a sequence: a power of two dividing HV, at most :data:`MAX_HEADS_PER_BODY`
+    (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy per small
+    input, are paid once for all its heads); 1 while every (sequence, head) pair gets a
+    core (the step's latency is one pair's). Over an fp32 pool the one whose waves over
+    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (4 heads in two
+    waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool the fewest that
+    fit one wave (its 8-head bodies do not spill). Several tokens a sequence: one head per
+    body while every pair gets a core, else :data:`WIDE_SEQUENCE_HEADS` for the token
+    buckets in :data:`WIDE_TOKEN_BUCKETS` (fewer tasks, each paying the scheduler once for
+    the heads' S tokens), one head for the others (a configuration's kernel count)."""
+    pairs = num_seqs * num_v_heads
+    group = num_v_heads // max(num_qk_heads, 1)
+    if tokens_per_seq > 1:
+        wide = WIDE_SEQUENCE_HEADS
+        fits = num_v_heads % wide == 0 and (wide % group == 0 or group % wide == 0)
+        return wide if tokens_per_seq in WIDE_TOKEN_BUCKETS and pairs > VECTOR_CORES and fits else 1
+    if pairs <= VECTOR_CORES:
         return 1
-    heads = 1
-    while (heads * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (heads * 2) == 0
-           and num_seqs * num_v_heads > VECTOR_CORES * heads):
-        heads *= 2
-    return heads
+    candidates = [1]
+    while (candidates[-1] * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (candidates[-1] * 2) == 0):
+        candidates.append(candidates[-1] * 2)
+    candidates = [h for h in candidates if h % group == 0 or group % h == 0]
+    if pool_dtype == "float32":
+        def cost(h: int) -> int:
+            return -(-pairs // (h * max(VECTOR_CORES, 1))) * FP32_TASK_CYCLES[h]
+        return min(candidates, key=lambda h: (cost(h), h))
+    for heads in candidates:
+        if pairs <= VECTOR_CORES * heads:
+            return heads
+    return candidates[-1]
 
 
 def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_heads: int, head_k_dim: int,
@@ -140,9 +178,9 @@ def validate_decode_config(*, heads_per_body: int, num_qk_heads: int, num_v_head
         raise ValueError(f"num_v_heads={num_v_heads} must be a positive multiple of num_qk_heads={num_qk_heads}")
     group = num_v_heads // num_qk_heads
     if heads_per_body < 1 or num_v_heads % heads_per_body or (heads_per_body > group and heads_per_body % group) or (
-            heads_per_body < group and group % heads_per_body) or (tokens_per_seq > 1 and heads_per_body != 1):
+            heads_per_body < group and group % heads_per_body) or (tokens_per_seq > 1 and heads_per_body not in (1, 2, 4)):
         raise ValueError(f"heads_per_body: expected a divisor of num_v_heads = {num_v_heads} that divides or is a "
-                         f"multiple of num_v_heads // num_qk_heads = {group} (1 for more than one token a sequence), "
+                         f"multiple of num_v_heads // num_qk_heads = {group} (1, 2 or 4 for more than one token a sequence), "
                          f"got {heads_per_body} with tokens_per_seq = {tokens_per_seq}")
     if not 1 <= tokens_per_seq <= MAX_TOKENS_PER_SEQ:
         raise ValueError(f"tokens_per_seq: expected 1..{MAX_TOKENS_PER_SEQ}, got {tokens_per_seq}")
@@ -222,6 +260,12 @@ def build_decode_kernel(
     # the cast of a 2-byte row.
     read_rows_tile = dk if one_token and pool_dtype == "float32" and dk * min(dv, 128) * 4 <= 65536 else state_rows
     small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
+    # The output from the state after the update (fla's order, no q . k term) everywhere but
+    # in one-token bodies of 8 or more heads over a 2-byte pool or with the activations,
+    # where the cost model's scheduler places that order's tiles worse (bench/RESULTS.md:
+    # H16/HV32, B = 64, bf16 pool 264,629 against 247,343 cycles; activations 351,056
+    # against 281,915; fp32 pool without them 299,201 against 333,773).
+    output_from_new_state = not (one_token and heads >= 8 and (pool_dtype != "float32" or gate_in_kernel))
 
     def fp32_of(x: Any, dtype: str) -> Any:
         return x if dtype == "float32" else pypto.cast(x, fp32)
@@ -249,16 +293,19 @@ def build_decode_kernel(
         return rate, pypto.view(gate_params, [1, heads], [1, first_head])
 
     def one_token_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, first_head: Any,
-                         gates: Optional[tuple[Any, Any]]) -> list:
+                         gates: Optional[tuple[Any, Any]], zero_state: bool = False) -> list:
         """A one-token body's inputs per value head ``h``: ``(q, k [1, K], exp(g), beta,
-        beta v, q . k as [1, V] rows)``. One copy per input for all the body's heads (q and
+        beta v, q . k as [1, V] rows)`` (``q . k`` only for a ``zero_state`` or where the
+        output is read from the state before the update, else None).
+        One copy per input for all the body's heads (q and
         k ``[T * H, K]``, v ``[T * HV, V]``: a body's heads are adjacent rows; g and beta a
         row of ``[T, HV]``); the per-head rows are views of computed tiles (on chip)."""
         key_row = seq * num_qk_heads + first_head // group
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [key_heads, dk], [key_row, 0]), input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [key_heads, dk], [key_row, 0]), input_dtype))
-        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv])
+        qk = (pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [key_heads, dv])
+              if zero_state or not output_from_new_state else None)
         v_rows = fp32_of(pypto.view(v, [heads, dv], [seq * num_v_heads + first_head, 0]), input_dtype)
         pypto.set_vec_tile_shapes(8, 8)
         decay_row, beta_row = activations(pypto.view(g, [1, heads], [seq, first_head]),
@@ -269,22 +316,24 @@ def build_decode_kernel(
         for h in range(heads):
             kh = h // group if heads >= group else 0
             pypto.set_vec_tile_shapes(1, 128)
-            out.append(tuple(pypto.view(x, [1, width], [row, 0]) for x, width, row in (
+            out.append(tuple(None if x is None else pypto.view(x, [1, width], [row, 0]) for x, width, row in (
                 (q_rows, dk, kh), (k_rows, dk, kh), (decay, dv, h), (beta_cols, dv, h), (beta_v, dv, h), (qk, dv, kh))))
         return [out]
 
     def sequence_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, seq: Any, head: Any,
                         gates: Optional[tuple[Any, Any]]) -> list:
-        """A several-token body's inputs (one value head), per token as
+        """A several-token body's inputs for one of its value heads, per token as
         :func:`one_token_inputs`: one copy per input for all S tokens (q and k ``[T, H *
         K]``, v ``[T, HV * V]``: the sequence's tokens are adjacent rows), rows of computed
-        tiles per token."""
+        tiles per token (``q . k`` only where the output is read from the state before the
+        update: the state is never zero, a -1 row reads as a masked row)."""
         first = seq * tokens_per_seq
         pypto.set_vec_tile_shapes(small_rows, 128)
         q_rows = normalised(fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]),
                                     input_dtype)) * scale
         k_rows = normalised(fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype))
-        qk = pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True), [tokens_per_seq, dv])
+        qk = None if output_from_new_state else pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True),
+                                                                   [tokens_per_seq, dv])
         v_rows = fp32_of(pypto.view(v, [tokens_per_seq, dv], [first, head * dv]), input_dtype)
         pypto.set_vec_tile_shapes(small_rows, 8)
         g_col = pypto.view(g, [tokens_per_seq, 1], [first, head])
@@ -299,7 +348,7 @@ def build_decode_kernel(
         out = []
         for j in range(tokens_per_seq):
             pypto.set_vec_tile_shapes(1, 128)
-            out.append([tuple(pypto.view(x, [1, width], [j, 0]) for x, width in (
+            out.append([tuple(None if x is None else pypto.view(x, [1, width], [j, 0]) for x, width in (
                 (q_rows, dk), (k_rows, dk), (decay, dv), (beta_cols, dv), (beta_v, dv), (qk, dv)))])
         return out
 
@@ -322,28 +371,44 @@ def build_decode_kernel(
         times exp(g) (:func:`decayed_row`, or the previous state times the decay), None
         for a zero state. With ``d = exp(g)``::
 
-            kv = (d S)^T k,  u = beta v - beta kv,  o = (d S)^T q + (q . k) u,  S' = d S + k u^T
+            kv = (d S)^T k,  u = beta v - beta kv,  S' = d S + k u^T,
+            o = S'^T q  (fla's order)  or  o = (d S)^T q + (q . k) u
 
-        Each block's column sums are taken apart and added (a sum over the whole ``[K, V]``
-        is a pairwise reduction across its tiles)."""
+        The first (``output_from_new_state``) has no ``q . k`` term and leaves one matvec
+        once q is on chip; the second reads the output from the state before the update
+        (a zero state: ``o = (q . k) u``). Which one the cost model runs faster depends
+        on how its scheduler places the tiles (``output_from_new_state`` above). Each
+        block's column sums are taken apart and added (a sum over the whole ``[K, V]`` is
+        a pairwise reduction across its tiles)."""
         q_t, k_t, _, beta_t, beta_v, qk = inputs
         pypto.set_vec_tile_shapes(state_rows, 128)
         k_col, q_col = pypto.transpose(k_t, 0, 1), pypto.transpose(q_t, 0, 1)  # [K, 1]
         k_blocks = [pypto.view(k_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
         q_blocks = [pypto.view(q_col, [state_rows, 1], [r, 0]) for r in range(0, dk, state_rows)]
+        late_output = output_from_new_state and state is not None
         kv = sq = None
         for block, k_b, q_b in zip(state or [], k_blocks, q_blocks):
             kv_b = (block * k_b).sum(0, keepdim=True)
-            sq_b = (block * q_b).sum(0, keepdim=True)
             kv = kv_b if kv is None else kv + kv_b
-            sq = sq_b if sq is None else sq + sq_b
+            if not late_output:
+                sq_b = (block * q_b).sum(0, keepdim=True)
+                sq = sq_b if sq is None else sq + sq_b
         pypto.set_vec_tile_shapes(1, 128)
         u = beta_v if state is None else beta_v - kv * beta_t
-        o_t = u * qk if state is None else sq + u * qk
-        pypto.assemble(o_t, [o_row, o_col], o)
+        if not late_output:
+            o_t = u * qk if state is None else sq + u * qk
+            pypto.assemble(o_t, [o_row, o_col], o)
         pypto.set_vec_tile_shapes(state_rows, 128)
         update = [pypto.expand_clone(k_b, [state_rows, dv]) * u for k_b in k_blocks]
-        return update if state is None else [block + up for block, up in zip(state, update)]
+        new_state = update if state is None else [block + up for block, up in zip(state, update)]
+        if late_output:
+            o_t = None
+            for block, q_b in zip(new_state, q_blocks):
+                o_b = (block * q_b).sum(0, keepdim=True)
+                o_t = o_b if o_t is None else o_t + o_b
+            pypto.set_vec_tile_shapes(1, 128)
+            pypto.assemble(o_t, [o_row, o_col], o)
+        return new_state
 
     def store(pool_out: Any, state: list, first_row: Any) -> None:
         pypto.set_vec_tile_shapes(state_rows, 128)
@@ -356,7 +421,7 @@ def build_decode_kernel(
         """One token of sequence ``seq`` on the body's value heads, one head after another
         (its row read, stepped, stored before the next: the rows do not pile up in the
         unified buffer). ``row_in``/``row_out``: the rows read and written, None for -1."""
-        per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates)[0]
+        per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates, zero_state=row_in is None)[0]
         for h in range(heads):
             head = first_head + h
             state = None if row_in is None else decayed_row(pool, (row_in * num_v_heads + head) * dk, per_head[h][2])
@@ -381,6 +446,24 @@ def build_decode_kernel(
         store(pool_out, state, (row_out * num_v_heads + head) * dk)
 
     token_offsets = tuple(range(tokens_per_seq))
+
+    def sequence_states(q: Any, k: Any, v: Any, g: Any, beta: Any, read_rows: Any, pool: Any, seq: Any,
+                        first_head: Any, gates: Optional[tuple[Any, Any]]) -> tuple[list, list]:
+        """A several-token body's inputs and decayed start states, per value head."""
+        pypto.set_vec_tile_shapes(8, 8)
+        per_head = [None if gates is None else tuple(pypto.view(x, [1, 1], [0, h]) for x in gates)
+                    for h in range(heads)]  # the body's gate terms are [1, heads]
+        inputs = [sequence_inputs(q, k, v, g, beta, seq, first_head + h, per_head[h]) for h in range(heads)]
+        return inputs, [sequence_start(read_rows, pool, seq, first_head + h, inputs[h]) for h in range(heads)]
+
+    def sequence_tokens(states: list, inputs: list, o: Any, seq: Any, first_head: Any, j: int) -> list:
+        """Token ``j`` on the body's value heads, one after another."""
+        return [sequence_token(states[h], inputs[h], o, seq, first_head + h, j) for h in range(heads)]
+
+    def sequence_stores(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
+        for h in range(heads):
+            sequence_store(pool_out, states[h], row_out, first_head + h)
+
     jit = pypto.frontend.jit(runtime_options={"run_mode": run_mode, "stitch_function_max_num": STITCH_BODIES},
                              pass_options={"pg_skip_partition": True})
     q_shape = [pypto.DYNAMIC, dk] if one_token else [num_tokens, num_qk_heads * dk]  # rows: T * H or T
@@ -423,15 +506,14 @@ def build_decode_kernel(
                     else:
                         one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None)
             else:
-                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, None)
-                state = sequence_start(read_rows, pool, seq, first_head, inputs)
-                for j in token_offsets:  # unrolled: the state stays on chip from token to token
-                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, None)
+                for j in token_offsets:  # unrolled: the states stay on chip from token to token
+                    states = sequence_tokens(states, inputs, o, seq, first_head, j)
                     row_out = write_rows[seq * tokens_per_seq + j]
                     if store_every_token:
-                        sequence_store(pool_out, state, row_out, first_head)
-                    elif row_out >= 0:
-                        sequence_store(pool_out, state, row_out, first_head)
+                        sequence_stores(pool_out, states, row_out, first_head)
+                    elif row_out >= 0:  # one branch a token for all the body's heads
+                        sequence_stores(pool_out, states, row_out, first_head)
 
     # The gated variant: the same body with the raw gate's parameters (a second jit function:
     # pypto reads the signature, and the plain kernel keeps its arguments).
@@ -468,14 +550,13 @@ def build_decode_kernel(
                     else:
                         one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, None, None, gates)
             else:
-                inputs = sequence_inputs(q, k, v, g, beta, seq, first_head, gates)
-                state = sequence_start(read_rows, pool, seq, first_head, inputs)
-                for j in token_offsets:
-                    state = sequence_token(state, inputs, o, seq, first_head, j)
+                inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, gates)
+                for j in token_offsets:  # unrolled: the states stay on chip from token to token
+                    states = sequence_tokens(states, inputs, o, seq, first_head, j)
                     row_out = write_rows[seq * tokens_per_seq + j]
                     if store_every_token:
-                        sequence_store(pool_out, state, row_out, first_head)
-                    elif row_out >= 0:
-                        sequence_store(pool_out, state, row_out, first_head)
+                        sequence_stores(pool_out, states, row_out, first_head)
+                    elif row_out >= 0:  # one branch a token for all the body's heads
+                        sequence_stores(pool_out, states, row_out, first_head)
 
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel

@@ -164,11 +164,9 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
                               shape.seq_len, shape.slots)
     if starts is None:
         return None
-    indices = ssm_state_indices
-    if indices.dtype != torch.int64 or not indices.is_contiguous():
-        indices = indices.to(torch.int64).contiguous()
-    indices = indices.view(shape.num_seqs, shape.width)
-    start_rows = indices.view(shape.num_seqs) if starts is values else torch.tensor(starts, dtype=torch.int64)
+    indices = ssm_state_indices if ssm_state_indices.is_contiguous() else ssm_state_indices.contiguous()
+    # the kernel takes int32 or int64 rows, [N] or [N, S]; [N] rows are their own start rows
+    start_rows = indices if starts is values else torch.tensor(starts, dtype=torch.int64)
     if shape.token_major:
         q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0)
     if not shape.as_given:

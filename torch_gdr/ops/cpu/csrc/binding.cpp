@@ -269,6 +269,10 @@ gdr::StateView state_view(const Tensor& t, const char* name, const gdr::Problem&
   return s;
 }
 
+// Row indices as the kernels read them: an int32 tensor (as serving engines pass them)
+// widened to int64 here, in C++, where it costs less than a Python call; int64 as it is.
+Tensor as_rows(const Tensor& t) { return t.scalar_type() == at::kInt ? t.to(at::kLong).contiguous() : t; }
+
 // An int64 CPU tensor of `numel` elements with every value in [lo, hi).
 const int64_t* checked_rows(const Tensor& t, const char* name, int64_t numel, int64_t lo, int64_t hi) {
   check(t, name, at::kLong, numel);
@@ -281,13 +285,13 @@ const int64_t* checked_rows(const Tensor& t, const char* name, int64_t numel, in
 // The recurrence over a state pool, in place -> o (gdr_cpu.h: PoolArgs). q, k, v [B, T, *, *]
 // of one dtype and g, beta float32 [B, T, HV], any strides where B * T flatten into one dim
 // and the last dim of q, k, v is contiguous. pool [slots, HV, K, V] ([slots, HV, V, K] with
-// v_first) float32/bfloat16/float16/fp8, any strides; indices int64 [N, width]; start_rows
-// int64 [N]; parents int64 [N, width] or None; buffer [R, S, HV, K, V] (pool layout)
+// v_first) float32/bfloat16/float16/fp8, any strides; indices int64 or int32 [N, width] ([N]:
+// width 1); start_rows int64 or int32 [N]; parents int64 [N, width] or None; buffer [R, S, HV, K, V] (pool layout)
 // float32/bfloat16/float16 with buffer_rows int64 [N], or None. The Python wrapper
 // (torch_gdr/ops/cpu/pool.py) checks the rules of a pool call (no row written twice, parents
 // before children, ...); this checks what would make the kernel read or write out of bounds.
 Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                          double scale, const Tensor& pool, const Tensor& indices, const Tensor& start_rows,
+                          double scale, const Tensor& pool, const Tensor& index_table, const Tensor& start_table,
                           bool l2norm, const optional<Tensor>& cu_seqlens, bool v_first,
                           const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
                           double beta_scale, const optional<Tensor>& parents, bool write_pool,
@@ -296,9 +300,11 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
   check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   const int64_t num = p.num_seqs();
-  TORCH_CHECK(indices.dim() == 2 && indices.size(0) == num && indices.size(1) >= 1,
-              "indices: expected [N, width] with N = ", num);
-  const int64_t width = indices.size(1);
+  const Tensor indices = as_rows(index_table), start_rows = as_rows(start_table);
+  TORCH_CHECK((indices.dim() == 2 || indices.dim() == 1) && indices.size(0) == num &&
+                  (indices.dim() == 1 || indices.size(1) >= 1),
+              "indices: expected [N, width] or [N] with N = ", num);
+  const int64_t width = indices.dim() == 2 ? indices.size(1) : 1;
   for (int64_t n = 0; n < num; ++n)
     TORCH_CHECK(p.len[n] <= width, "indices: sequence ", n, " has ", p.len[n], " tokens, more than width ", width);
   gdr::PoolArgs args;

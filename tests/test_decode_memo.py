@@ -271,3 +271,21 @@ def test_signature_memo_is_bounded_and_thread_safe() -> None:
     memo.put(None, 1)
     memo.clear()
     assert len(memo) == 0
+
+
+def test_memo_served_steps_read_this_call_s_gate_parameters() -> None:
+    """fla's activations in the kernel: A_log, dt_bias and the raw g/beta of each call (same
+    signature, new values) against the pure-torch step on a copy of the pool."""
+    pool = _pool6()
+    reference = pool.clone()
+    for call in range(3):
+        x = _inputs(2, 1, seed=10 + call)
+        gen = torch.Generator().manual_seed(call)
+        gate = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen),
+                    use_beta_sigmoid_in_kernel=True)
+        x["beta"] = torch.randn(2, 1, HV, generator=gen)  # logits
+        rows = torch.tensor([call, call + 3])
+        o = _step(x, pool, rows, "cpu", **gate)
+        expected = _step(x, reference, rows, "torch", **gate)
+        torch.testing.assert_close(o, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pool, reference, rtol=1e-4, atol=1e-5)

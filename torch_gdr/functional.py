@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -395,7 +395,12 @@ def fused_recurrent_gated_delta_rule(
                                     intermediate_state_indices, disable_state_update)
         route = _POOL_ROUTES.get(route_key)
         if route is not None:  # the same call as one that passed every check here: the step's own checks remain
-            selection, v_first = route
+            selection, v_first, prepared = route
+            if prepared is not None:  # the backend's step of this signature, index values checked
+                o = prepared(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens,
+                             initial_state_indices, A_log, dt_bias)
+                if o is not None:
+                    return o, initial_state
             gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
             o = run_pool_step(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
                               cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=v_first,
@@ -465,11 +470,12 @@ def fused_recurrent_gated_delta_rule(
 
 
 #: Public pool steps that passed every check of :func:`fused_recurrent_gated_delta_rule`
-#: (their :func:`_pool_route_key`) -> ``(selection, state_v_first)``: the backend serving
-#: them and the resolved layout. A later call of the same signature goes straight to that
-#: backend's step, which still checks the index values (and, but for the CPU's fused step,
-#: every rule).
-_POOL_ROUTES: SignatureMemo[tuple[Selection, bool]] = SignatureMemo()
+#: (their :func:`_pool_route_key`) -> ``(selection, state_v_first, prepared)``: the backend
+#: serving them, the resolved layout, and the backend's prepared step of the signature
+#: (``Backend.prepared_pool_step``) or None. A later call of the same signature goes straight
+#: to that step (or to the backend's step), which still checks the index values (and, but
+#: for the CPU's fused step, every rule).
+_POOL_ROUTES: SignatureMemo[tuple[Selection, bool, Optional[Callable]]] = SignatureMemo()
 
 
 def _pool_route_key(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -531,7 +537,14 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
         selection = select_pool_step(q, v, ssm_state_indices, backend)
         o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
                           initial_state_indices=initial_state_indices, selection=selection, **step)
-        _POOL_ROUTES.put(route_key, (selection, state_v_first))
+        if route_key is not None:
+            prepare = selection.backend.prepared_pool_step
+            gated = step["gating"] if step["gating"].gated else None
+            prepared = None if prepare is None else prepare(
+                q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first, gating=gated,
+                initial_state_indices=initial_state_indices)
+            _POOL_ROUTES.put(route_key, (selection, state_v_first, prepared))
         return o, pool
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,

@@ -187,6 +187,14 @@ class Backend:
             offsets)`` for the checkpoints entry, or None.
         pool_step: the step over a state pool in place (the arguments of
             :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`; returns ``o``), or None.
+        prepared_pool_step: ``prepared_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices,
+            num_accepted_tokens, *, use_qk_l2norm_in_kernel, state_v_first, gating,
+            initial_state_indices)``: for a plain in-place decode (no ``cu_seqlens``, no serving
+            extras) whose signature its :attr:`pool_step` has checked and run before, a function
+            ``(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+            initial_state_indices, A_log, dt_bias) -> o or None`` running later calls of that
+            signature with only their index values checked (None: a value might break a rule;
+            run :attr:`pool_step`); or None (no such call run yet, or no such path).
         step_inplace: ``step_inplace(call, state) -> o``: the step writing its final state
             into ``state``, the caller's ``initial_state`` (public layout, checked by
             :mod:`torch_gdr._inplace`), with no new state tensor; None: dispatch runs
@@ -223,6 +231,7 @@ class Backend:
     step: Optional[StepFn] = None
     checkpoints: Optional[Callable[..., tuple]] = None
     pool_step: Optional[Callable[..., Tensor]] = None
+    prepared_pool_step: Optional[Callable[..., Optional[Callable[..., Optional[Tensor]]]]] = None
     step_inplace: Optional[Callable[[Any, Tensor], Tensor]] = None
     pool_extras: bool = False
     may_fail: bool = False

@@ -19,7 +19,7 @@ from torch_gdr.ops._backend import Backend, CallSpec, Capabilities, Reason
 from torch_gdr.ops.cpu import kernels
 from torch_gdr.ops.cpu.inplace import cpu_step_inplace
 from torch_gdr.ops.cpu.op import cpu_bwd, cpu_fwd, cpu_step
-from torch_gdr.ops.cpu.pool import pool_recurrent_fwd
+from torch_gdr.ops.cpu.pool import pool_recurrent_fwd, prepared_pool_step
 
 
 @torch.compiler.assume_constant_result
@@ -45,6 +45,7 @@ BACKEND = Backend(
     keeps_chunk_states=True,
     step=cpu_step,
     pool_step=pool_recurrent_fwd,
+    prepared_pool_step=prepared_pool_step,
     step_inplace=cpu_step_inplace,
     pool_extras=True,
     error=CpuBackendError,

@@ -26,7 +26,7 @@ Dynamo sees them.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -177,6 +177,36 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
                                start_rows, use_qk_l2norm_in_kernel, None, state_v_first, *_gating_args(gating), None,
                                True, None, None)
     return o.squeeze(0) if shape.token_major else o
+
+
+def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+                       ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
+                       use_qk_l2norm_in_kernel: bool = False, state_v_first: bool = False,
+                       gating: Optional[Gating] = None,
+                       initial_state_indices: Optional[Tensor] = None) -> Optional[Callable[..., Optional[Tensor]]]:
+    """The step of later calls of this plain decode call's signature, which
+    :func:`pool_recurrent_fwd` has checked and run (``Backend.prepared_pool_step``): a
+    function ``(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+    initial_state_indices, A_log, dt_bias) -> o`` (None where the index values might break a
+    rule), or None where this signature has not passed here or the kernels are not loaded."""
+    gating = gating or Gating()
+    scale = None if scale is None else float(scale)
+    l2norm, v_first = bool(use_qk_l2norm_in_kernel), bool(state_v_first)
+    shape = _CHECKED.get(_memo_key(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, None, scale, l2norm,
+                                   v_first, gating, initial_state_indices, False, False))
+    ext = _build.load()
+    if shape is None or ext is None or torch.compiler.is_compiling():
+        return None
+    gate, beta_sigmoid, neg_eigval = gating.use_gate_in_kernel, gating.use_beta_sigmoid_in_kernel, gating.allow_neg_eigval
+
+    def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, ssm_state_indices: Tensor,
+             num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> Optional[Tensor]:
+        return _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+                             initial_state_indices, scale, l2norm, v_first,
+                             Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval))
+
+    return step
 
 
 def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,

@@ -200,9 +200,12 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
         op.set_state(pool_vf[start:start + batch])
         op()
 
-    times = alternate({"pool_step": pool_step, "public": public, "per_sequence": per_sequence, "ggml": ggml}, rounds,
-                      warmup=2)
-    med = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+    # a round runs each variant `reps` times (one small step is too short to time alone)
+    reps = max(1, 16 // batch)
+    variants = {"public": public, "pool_step": pool_step, "per_sequence": per_sequence, "ggml": ggml}
+    times = alternate({name: (lambda call=call: [call() for _ in range(reps)]) for name, call in variants.items()},
+                      rounds, warmup=2)
+    med = {n: statistics.median(t) * 1e6 / reps for n, t in times.items()}
     print(f"decode B={batch} H{heads}/HV{v_heads}: ours pool step {med['pool_step']:.0f} us (public call "
           f"{med['public']:.0f} us), ours per-sequence {med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; "
           f"ggml/ours pool step {ratio(times, 'ggml', 'pool_step'):.2f}x, public call "

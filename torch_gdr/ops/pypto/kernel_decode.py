@@ -134,7 +134,7 @@ WIDE_TOKEN_BUCKETS = (4, 8, 12, 16)
 
 
 def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tokens_per_seq: int = 1,
-                         pool_dtype: str = "float32") -> int:
+                         pool_dtype: str = "float32", gate_in_kernel: bool = False) -> int:
     """Value heads one loop body (one vector task) runs.
 
     One token a sequence: a power of two dividing HV, at most :data:`MAX_HEADS_PER_BODY`
@@ -142,8 +142,10 @@ def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tok
     input, are paid once for all its heads); 1 while every (sequence, head) pair gets a
     core (the step's latency is one pair's). Over an fp32 pool the one whose waves over
     the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (4 heads in two
-    waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool the fewest that
-    fit one wave (its 8-head bodies do not spill). Several tokens a sequence: one head per
+    waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool, or with fla's
+    gate activation in the kernel (``gate_in_kernel``, whose 8-head bodies read the
+    output from the state before the update), the fewest that fit one wave (those 8-head
+    bodies do not spill: at B = 8, 51,118 cycles against 61,360 for 4 heads). Several tokens a sequence: one head per
     body while every pair gets a core, else :data:`WIDE_SEQUENCE_HEADS` for the token
     buckets in :data:`WIDE_TOKEN_BUCKETS` (fewer tasks, each paying the scheduler once for
     the heads' S tokens), one head for the others (a configuration's kernel count)."""
@@ -159,7 +161,7 @@ def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tok
     while (candidates[-1] * 2 <= min(MAX_HEADS_PER_BODY, num_v_heads) and num_v_heads % (candidates[-1] * 2) == 0):
         candidates.append(candidates[-1] * 2)
     candidates = [h for h in candidates if h % group == 0 or group % h == 0]
-    if pool_dtype == "float32":
+    if pool_dtype == "float32" and not gate_in_kernel:
         def cost(h: int) -> int:
             return -(-pairs // (h * max(VECTOR_CORES, 1))) * FP32_TASK_CYCLES[h]
         return min(candidates, key=lambda h: (cost(h), h))

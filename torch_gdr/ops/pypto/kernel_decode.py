@@ -213,8 +213,9 @@ def build_decode_kernel(
     """Build (trace lazily, on first call) the decode-step kernel for one configuration.
 
     Args:
-        heads_per_body: value heads one loop body runs, 1 or HV / H
-            (:func:`value_heads_per_body` of the launch's batch). The batch itself is not
+        heads_per_body: value heads one loop body runs, a power of two dividing HV (at
+            most 16; 1, 2 or 4 for several tokens), :func:`value_heads_per_body` of the
+            launch's batch. The batch itself is not
             built in: the kernel runs ``bodies[0]`` loop bodies, the tensors' first
             dimension is dynamic.
         num_qk_heads: H. num_v_heads: HV, a multiple of H.

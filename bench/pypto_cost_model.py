@@ -376,7 +376,7 @@ def decode_launch(w: DecodeWorkload) -> tuple[Any, list[list[torch.Tensor]]]:
     write_rows = rows.flatten().int().contiguous()
     pool = torch.zeros(slots * w.v_heads * w.head_k_dim, w.head_v_dim, dtype=getattr(torch, w.pool_dtype))
     o = torch.zeros(rows_total, w.v_heads * w.head_v_dim)
-    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads, s, w.pool_dtype, w.gating)
+    heads_per_body = w.heads_per_body or value_heads_per_body(n, w.heads, w.v_heads, s, w.pool_dtype)
     kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=w.heads, num_v_heads=w.v_heads,
                                  head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim, tokens_per_seq=s,
                                  use_qk_l2norm=w.l2norm, scale=w.head_k_dim ** -0.5, input_dtype=w.dtype,

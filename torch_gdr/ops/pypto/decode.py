@@ -278,8 +278,7 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
     read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
     gating = gating or Gating()
-    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width, _DTYPE_NAMES[pool.dtype],
-                                          gating.use_gate_in_kernel)
+    heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width, _DTYPE_NAMES[pool.dtype])
     bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
     gate_params = []  # [2, HV] fp32: A_log, dt_bias (zeros without one)

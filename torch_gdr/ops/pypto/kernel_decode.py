@@ -141,10 +141,9 @@ def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tok
     (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy per small
     input, are paid once for all its heads); 1 while every (sequence, head) pair gets a
     core (the step's latency is one pair's). Over an fp32 pool the one whose waves over
-    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (B = 8: 8 heads
-    in one wave; B = 16: 4 heads in three; B = 32 to 256: 8 heads, as 16-head fp32 bodies
-    spill); over a 2-byte pool the fewest that fit one wave (its 16-head bodies do not
-    spill). Several tokens a sequence: one head per
+    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (H16/HV32: 4
+    heads at B = 4-6 and 13-18, 8 at B = 7-12 and 19-256; 16-head fp32 bodies spill);
+    over a 2-byte pool the fewest that fit one wave (its 16-head bodies do not spill). Several tokens a sequence: one head per
     body while every pair gets a core, else :data:`WIDE_SEQUENCE_HEADS` for the token
     buckets in :data:`WIDE_TOKEN_BUCKETS` (fewer tasks, each paying the scheduler once for
     the heads' S tokens), one head for the others (a configuration's kernel count)."""

@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> None:
                              "torch_gdr.ops.pypto.kernel_pool_copy.COPY_VARIANTS)")
     parser.add_argument("--copies-only", action="store_true", help="with --decode: time the copies alone")
     parser.add_argument("--heads-per-body", type=int, default=None,
-                        help="with --decode: value heads per task, 1 or HV / H (default: the host's choice)")
+                        help="with --decode: value heads per task, a power of two dividing HV (1, 2 or 4 for "
+                             "several tokens; default: the host's choice)")
     parser.add_argument("--pool-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="with --decode: the pool's dtype")
     parser.add_argument("--gating", action="store_true",

@@ -277,10 +277,10 @@ def pool_step_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sc
         write_rows = slot_of if store_every_token else torch.where(write_rows >= 0, slot_of, write_rows)
     read_in = read_rows.to(device=device, dtype=torch.int32).view(-1, 1)
     write_in = write_rows.flatten().to(device=device, dtype=torch.int32)
+    gating = gating or Gating()
     heads_per_body = value_heads_per_body(num_seqs, num_qk_heads, num_v_heads, kernel_width, _DTYPE_NAMES[pool.dtype])
     bodies = torch.full((1,), num_seqs * num_v_heads // heads_per_body, dtype=torch.int32, device=device)
 
-    gating = gating or Gating()
     gate_params = []  # [2, HV] fp32: A_log, dt_bias (zeros without one)
     if gating.use_gate_in_kernel:
         assert gating.A_log is not None

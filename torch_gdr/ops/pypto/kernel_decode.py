@@ -13,7 +13,7 @@ with ``d = exp(g)`` and the state S read once and multiplied by ``d`` first::
 
 (q scaled after its norm; the output is read from the new state, as fla's recurrent
 kernel does, which saves the ``q . k`` term and leaves one matvec once q is on chip;
-one-token bodies of 8 or more heads over a 2-byte pool or with the activations take
+one-token bodies of 16 heads over a 2-byte pool or with the activations take
 ``o = (d S)^T q + (q . k) u``, which the cost model runs faster there), and the state after the token is stored to the pool row its
 sequence names for that token. Rows are read and written in place through the row tables;
 a row of -1 reads as a zero state and is never written (symbolic ``if`` s on the table
@@ -118,9 +118,9 @@ MAX_HEADS_PER_BODY = 16
 
 #: Cycles one task of a one-token kernel over an fp32 pool costs by value heads per body
 #: (pypto 0.2.0 cost model, H16/HV32, K = V = 128: the task itself plus ~6k of the
-#: scheduler's between tasks). A body of 8 fp32 heads costs more than twice one of 4: the
-#: unified buffer spills more of its rows (bench/RESULTS.md). Used as relative weights.
-FP32_TASK_CYCLES = {1: 16_700, 2: 21_300, 4: 29_500, 8: 61_200, 16: 103_400}
+#: scheduler's between tasks; 8 heads with the decay's scheduling nudge, see
+#: :func:`build_decode_kernel`, 16 heads spill rows: bench/RESULTS.md). Relative weights.
+FP32_TASK_CYCLES = {1: 16_700, 2: 21_300, 4: 29_500, 8: 45_500, 16: 103_400}
 
 
 #: Value heads of a several-token body once the step's pairs outnumber the vector cores
@@ -141,9 +141,9 @@ def value_heads_per_body(num_seqs: int, num_qk_heads: int, num_v_heads: int, tok
     (a task's fixed costs, ~6k cycles of scheduling and a ~1,400-cycle copy per small
     input, are paid once for all its heads); 1 while every (sequence, head) pair gets a
     core (the step's latency is one pair's). Over an fp32 pool the one whose waves over
-    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (4 heads in two
-    waves beat 8 in one at B = 8, 16 win from B = 64); over a 2-byte pool the fewest that
-    fit one wave (its 8-head bodies do not spill). Several tokens a sequence: one head per
+    the vector cores cost the fewest cycles by :data:`FP32_TASK_CYCLES` (H16/HV32: 4
+    heads at B = 4-6 and 13-18, 8 at B = 7-12 and 19-256; 16-head fp32 bodies spill);
+    over a 2-byte pool the fewest that fit one wave (its 16-head bodies do not spill). Several tokens a sequence: one head per
     body while every pair gets a core, else :data:`WIDE_SEQUENCE_HEADS` for the token
     buckets in :data:`WIDE_TOKEN_BUCKETS` (fewer tasks, each paying the scheduler once for
     the heads' S tokens), one head for the others (a configuration's kernel count)."""
@@ -211,8 +211,9 @@ def build_decode_kernel(
     """Build (trace lazily, on first call) the decode-step kernel for one configuration.
 
     Args:
-        heads_per_body: value heads one loop body runs, 1 or HV / H
-            (:func:`value_heads_per_body` of the launch's batch). The batch itself is not
+        heads_per_body: value heads one loop body runs, a power of two dividing HV (at
+            most 16; 1, 2 or 4 for several tokens), :func:`value_heads_per_body` of the
+            launch's batch. The batch itself is not
             built in: the kernel runs ``bodies[0]`` loop bodies, the tensors' first
             dimension is dynamic.
         num_qk_heads: H. num_v_heads: HV, a multiple of H.
@@ -261,11 +262,16 @@ def build_decode_kernel(
     read_rows_tile = dk if one_token and pool_dtype == "float32" and dk * min(dv, 128) * 4 <= 65536 else state_rows
     small_rows = 8  # tile rows of the small inputs (16-row tiles spill more in the cost model)
     # The output from the state after the update (fla's order, no q . k term) everywhere but
-    # in one-token bodies of 8 or more heads over a 2-byte pool or with the activations,
-    # where the cost model's scheduler places that order's tiles worse (bench/RESULTS.md:
-    # H16/HV32, B = 64, bf16 pool 264,629 against 247,343 cycles; activations 351,056
-    # against 281,915; fp32 pool without them 299,201 against 333,773).
-    output_from_new_state = not (one_token and heads >= 8 and (pool_dtype != "float32" or gate_in_kernel))
+    # in one-token bodies of 16 heads over a 2-byte pool or with the activations, where the
+    # cost model's scheduler places that order's tiles worse (bench/RESULTS.md: H16/HV32,
+    # B = 64, bf16 pool 264,629 against 247,343 cycles; activations 351,056 against
+    # 281,915; fp32 pool without them 299,201 against 333,773).
+    output_from_new_state = not (one_token and heads >= 16 and (pool_dtype != "float32" or gate_in_kernel))
+    # A scheduling nudge: one-token bodies of 8 heads over an fp32 pool take exp(g * 1.0)
+    # (exact). The extra [1, heads] multiply changes where pypto 0.2.0's scheduler places
+    # the body's copies: fewer rows spilled and re-read, B = 8 62,642 -> 45,356 cycles,
+    # B = 64 (8 heads a task) 269,426 (bench/RESULTS.md); it slows 16-head and 2-byte bodies.
+    decay_nudge = one_token and heads == 8 and pool_dtype == "float32"
 
     def fp32_of(x: Any, dtype: str) -> Any:
         return x if dtype == "float32" else pypto.cast(x, fp32)
@@ -282,7 +288,10 @@ def build_decode_kernel(
 
     def activations(g_raw: Any, beta_raw: Any, gates: Optional[tuple[Any, Any]]) -> tuple[Any, Any]:
         """exp(g) and beta as the kernel uses them, tiles of the raw inputs' shape."""
-        g_log = g_raw if gates is None else kernel_gating.log_decay(g_raw, *gates)
+        if gates is not None:
+            g_log = kernel_gating.log_decay(g_raw, *gates)
+        else:
+            g_log = g_raw * 1.0 if decay_nudge else g_raw
         beta_t = kernel_gating.activated_beta(beta_raw, allow_neg_eigval) if beta_sigmoid_in_kernel else beta_raw
         return pypto.exp(g_log), beta_t
 

@@ -289,3 +289,37 @@ def test_memo_served_steps_read_this_call_s_gate_parameters() -> None:
         expected = _step(x, reference, rows, "torch", **gate)
         torch.testing.assert_close(o, expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pool, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_memo_served_steps_take_this_call_s_scale() -> None:
+    """scale as a float and as a 0-d tensor: a later call of the same signature with another
+    value computes with its own (a tensor's value is not in the signature)."""
+    for make in (float, torch.tensor):
+        pool = _pool6()
+        reference = pool.clone()
+        for call, scale in enumerate((2.0, 0.5, 1.5)):
+            x = _inputs(2, 1, seed=20 + call)
+            rows = torch.tensor([call, call + 3])
+            o = _step(x, pool, rows, "cpu", scale=make(scale))
+            expected = _step(x, reference, rows, "torch", scale=scale)
+            torch.testing.assert_close(o, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_memo_served_steps_under_a_default_device(monkeypatch) -> None:
+    """Index tables the step builds stay on the CPU when another default device is set
+    ([N, S] rows with num_accepted_tokens: start rows made from the values)."""
+    x = _inputs(2, 1)
+    pool = _pool6()
+    acc = torch.tensor([1, 2])
+    with torch.device("meta"):
+        for rows in ([[0, 1], [2, 3]], [[4, 5], [6, 7]]):
+            _step(x, pool, torch.tensor(rows, device="cpu"), num_accepted_tokens=acc)
+
+
+def test_deprecated_layout_flag_warns_on_every_call() -> None:
+    """transpose_state_layout (fla's deprecated name) warns on each call, the memo's too."""
+    x = _inputs(2, 1)
+    pool = _pool6()
+    for rows in ([0, 1], [2, 3]):
+        with pytest.warns(DeprecationWarning):
+            _step(x, pool, torch.tensor(rows), transpose_state_layout=False)

@@ -18,7 +18,7 @@ from torch_gdr._pool import (FP8_DTYPES, check_no_grad, check_pool_args, pool_ch
 from torch_gdr._validate import CHUNK_SIZES, check_inputs, resolve_varlen_metadata
 from torch_gdr.dispatch.run import needs_grad as _needs_grad
 from torch_gdr.dispatch.pool_serve import run_pool_serve
-from torch_gdr.dispatch.registry import BACKEND_ENV_VAR, Selection
+from torch_gdr.dispatch.registry import BACKEND_ENV_VAR, Selection, default_backend
 from torch_gdr.dispatch.run import (run_checkpoints, run_chunk, run_pool_step, run_step, run_step_inplace,
                                     select_pool_step)
 from torch_gdr.ops._backend import OpArgs
@@ -397,7 +397,7 @@ def fused_recurrent_gated_delta_rule(
         if route is not None:  # the same call as one that passed every check here: the step's own checks remain
             selection, v_first, prepared = route
             if prepared is not None:  # the backend's step of this signature, index values checked
-                o = prepared(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens,
+                o = prepared(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
                              initial_state_indices, A_log, dt_bias)
                 if o is not None:
                     return o, initial_state
@@ -486,9 +486,11 @@ def _pool_route_key(q, k, v, g, beta, scale, initial_state, output_final_state, 
                     disable_state_update) -> Optional[tuple]:
     """The signature of a public in-place pool step (:mod:`torch_gdr._decode_memo`, with the
     backend and strict-mode variables the selection reads), or None for a call the route memo
-    does not serve: traced, varlen (offsets are values), without g or beta, or with serving
-    extras."""
+    does not serve: traced, varlen (offsets are values), without g or beta, with serving
+    extras, a tensor ``scale`` (a value the checks read) or the deprecated
+    ``transpose_state_layout`` (which warns on every call)."""
     if (torch.compiler.is_compiling() or g is None or beta is None or cu_seqlens is not None
+            or isinstance(scale, torch.Tensor) or transpose_state_layout is not None
             or cu_seqlens_cpu is not None or gk is not None or gv is not None or retrieve_parent_token is not None
             or intermediate_states_buffer is not None or intermediate_state_indices is not None
             or disable_state_update is not False or inplace_final_state is False):
@@ -537,7 +539,10 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
         selection = select_pool_step(q, v, ssm_state_indices, backend)
         o = run_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, validate=validate,
                           initial_state_indices=initial_state_indices, selection=selection, **step)
-        if route_key is not None:
+        # remembered unless the policy passed a default backend over (its warning comes once per
+        # reason, again after torch_gdr._fallback.reset_warnings(): select() keeps that)
+        if route_key is not None and (selection.named or
+                                      selection.backend.name == default_backend(q.device, "pool_step")):
             prepare = selection.backend.prepared_pool_step
             gated = step["gating"] if step["gating"].gated else None
             prepared = None if prepare is None else prepare(

@@ -191,7 +191,7 @@ class Backend:
             num_accepted_tokens, *, use_qk_l2norm_in_kernel, state_v_first, gating,
             initial_state_indices)``: for a plain in-place decode (no ``cu_seqlens``, no serving
             extras) whose signature its :attr:`pool_step` has checked and run before, a function
-            ``(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+            ``(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
             initial_state_indices, A_log, dt_bias) -> o or None`` running later calls of that
             signature with only their index values checked (None: a value might break a rule;
             run :attr:`pool_step`); or None (no such call run yet, or no such path).

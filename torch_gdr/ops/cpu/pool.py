@@ -119,7 +119,8 @@ def _parent_table(retrieve_parent_token: Tensor, lens: tuple[int, ...], width: i
     parents = retrieve_parent_token[:, :width].to(device="cpu", dtype=torch.int64)
     if parents.shape[1] < width:
         parents = torch.nn.functional.pad(parents, (0, width - parents.shape[1]), value=-1)
-    past_end = torch.arange(width).unsqueeze(0) >= torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
+    past_end = (torch.arange(width, device="cpu").unsqueeze(0)
+                >= torch.tensor(lens, dtype=torch.int64, device="cpu").unsqueeze(1))
     return parents.masked_fill(past_end, -1).contiguous()
 
 
@@ -166,7 +167,7 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
         return None
     indices = ssm_state_indices if ssm_state_indices.is_contiguous() else ssm_state_indices.contiguous()
     # the kernel takes int32 or int64 rows, [N] or [N, S]; [N] rows are their own start rows
-    start_rows = indices if starts is values else torch.tensor(starts, dtype=torch.int64)
+    start_rows = indices if starts is values else torch.tensor(starts, dtype=torch.int64, device="cpu")
     if shape.token_major:
         q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0)
     if not shape.as_given:
@@ -186,9 +187,10 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        initial_state_indices: Optional[Tensor] = None) -> Optional[Callable[..., Optional[Tensor]]]:
     """The step of later calls of this plain decode call's signature, which
     :func:`pool_recurrent_fwd` has checked and run (``Backend.prepared_pool_step``): a
-    function ``(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
+    function ``(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
     initial_state_indices, A_log, dt_bias) -> o`` (None where the index values might break a
-    rule), or None where this signature has not passed here or the kernels are not loaded."""
+    rule), or None where this signature has not passed here or the kernels are not loaded.
+    Every tensor and the scale are the later call's own."""
     gating = gating or Gating()
     scale = None if scale is None else float(scale)
     l2norm, v_first = bool(use_qk_l2norm_in_kernel), bool(state_v_first)
@@ -199,11 +201,11 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         return None
     gate, beta_sigmoid, neg_eigval = gating.use_gate_in_kernel, gating.use_beta_sigmoid_in_kernel, gating.allow_neg_eigval
 
-    def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, ssm_state_indices: Tensor,
-             num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
+    def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+             ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
              A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> Optional[Tensor]:
         return _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
-                             initial_state_indices, scale, l2norm, v_first,
+                             initial_state_indices, None if scale is None else float(scale), l2norm, v_first,
                              Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval))
 
     return step
@@ -259,7 +261,7 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         if serve.parents is not None:
             parents = _parent_table(retrieve_parent_token, plan.seq_lens, width)
         if intermediate_states_buffer is not None:
-            buffer_rows = torch.tensor(serve.buffer_rows, dtype=torch.int64)
+            buffer_rows = torch.tensor(serve.buffer_rows, dtype=torch.int64, device="cpu")
     o = ext.pool_recurrent_fwd(qb, kb, vb, gb, bb, scale, pool, _host_rows(indices), _host_rows(plan.start_rows),
                                bool(use_qk_l2norm_in_kernel), cu, bool(state_v_first), *_gating_args(gating),
                                parents, not disable_state_update, intermediate_states_buffer, buffer_rows)

@@ -12,7 +12,9 @@ same rounded inputs, through the exported calls:
 The head dims pick the kernel's column blocks: V = 48 runs blocks of 32 and 16 columns,
 V = 56 one of 32 and one of 24 (on AVX2 a bfloat16 block of a multiple of 16 columns runs
 even and odd columns in separate registers, the others one register per 8 columns; both
-layouts meet in one head there).
+layouts meet in one head there). On AVX-512 a half pool's blocks are 64 columns wide:
+V = 96 runs one of 64 and one of 32 (bfloat16 rows stored two registers at a time), V = 48
+one block of three registers.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def assert_rounded(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dv", [48, 56])
+@pytest.mark.parametrize("dv", [48, 56, 96])
 @pytest.mark.parametrize("tokens", ["one_token", "several_tokens"])
 def test_half_pool_step_stores_the_rounded_state(dtype: torch.dtype, dv: int, tokens: str) -> None:
     """One decode call over a key-first half pool: o, every written row, every other row."""

@@ -119,8 +119,9 @@ struct TokenPlan {
 template <typename T, typename P>
 void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const float* g, const float* beta,
                 const PoolArgs& a, T* o) {
+  constexpr int64_t kB = pool_block_cols<P>();  // columns per block
   const int64_t K = p.K, V = p.V, HV = p.HV, group = p.group(), width = a.width;
-  const int64_t token_floats = 2 * K + V, block_floats = K * kBlock;
+  const int64_t token_floats = 2 * K + V, block_floats = K * kB;
   const StateView& pv = a.pool;
   const StateView& bv = a.buffer;
   const bool tree = a.parents != nullptr, has_buf = bv.data != nullptr;
@@ -132,7 +133,7 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
   const bool buf_f32 = vector && has_buf && bv.type == StateType::Float;
   // scratch blocks: one per token of a tree (one for a chain), then the staged start block
   const int64_t slots = tree ? width : 1;
-  const int64_t scratch_floats = width * token_floats + 3 * kBlock + (slots + 1) * block_floats;
+  const int64_t scratch_floats = width * token_floats + 3 * kB + (slots + 1) * block_floats;
   auto start_of = [&](int64_t n) { return a.start_rows[n]; };
   const int64_t items = p.num_seqs() * HV;
   parallel_items(
@@ -144,7 +145,7 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
         thread_local std::vector<TokenPlan> plan;
         if (static_cast<int64_t>(ins.size()) < width) ins.resize(width), plan.resize(width);
         float* block_scratch = scratch + width * token_floats;
-        float* slot_base = block_scratch + 3 * kBlock;
+        float* slot_base = block_scratch + 3 * kB;
         float* stage = slot_base + slots * block_floats;  // the start row's block, float32
         const int64_t r0 = start_of(n);
         // the tokens, and where each one's state goes
@@ -168,11 +169,11 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
           t.store_pool_h = vector && t.pool_row >= 0;
           float* slot = slot_base + (tree ? j : 0) * block_floats;
           if (!vector) {
-            t.loc = Loc{slot, kBlock, true};
+            t.loc = Loc{slot, kB, true};
           } else if (f32_pool && t.pool_row >= 0) {
             t.loc = Loc{reinterpret_cast<float*>(state_at<P>(pv, t.pool_row, 0, h, 0)), pv.s_k, false};
           } else if (t.followed || has_buf) {
-            t.loc = Loc{slot, kBlock, true};
+            t.loc = Loc{slot, kB, true};
           }
         }
         // bfloat16 pairs keep scratch in their own column order: only where nothing else reads it
@@ -183,9 +184,9 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
           next_item = state_at<P>(pv, start_of((i + 1) / HV), 0, (i + 1) % HV, 0);
         (void)next_item;
         (void)pairs;
-        for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-          const int64_t w = std::min(kBlock, V - j0);
-          if (stage_start) load_block(start + j0 * pv.s_v, pv.s_k, pv.s_v, stage, kBlock, K, w);
+        for (int64_t j0 = 0; j0 < V; j0 += kB) {
+          const int64_t w = std::min(kB, V - j0);
+          if (stage_start) load_block(start + j0 * pv.s_v, pv.s_k, pv.s_v, stage, kB, K, w);
           for (int64_t j = 0; j < len; ++j) {
             const TokenPlan& t = plan[j];
             const int64_t tok = p.bos[n] + j;
@@ -199,17 +200,17 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
             if (t.parent >= 0) {
               fsrc = plan[t.parent].loc.at(j0), fss = plan[t.parent].loc.stride;
             } else if (stage_start) {
-              fsrc = stage, fss = kBlock;
+              fsrc = stage, fss = kB;
             } else if (start) {
               hsrc = start + j0;
             }
             float* fdst = t.loc.at(j0);
             if (!vector) {
-              block_generic(tb, fsrc, fss, fdst, kBlock, K, w, block_scratch, block_scratch + kBlock,
-                            block_scratch + 2 * kBlock, out);
+              block_generic(tb, fsrc, fss, fdst, kB, K, w, block_scratch, block_scratch + kB,
+                            block_scratch + 2 * kB, out);
               if (t.pool_row >= 0)
-                store_block(fdst, kBlock, state_at<P>(pv, t.pool_row, 0, h, j0), pv.s_k, pv.s_v, K, w);
-              if (has_buf) store_block_as(fdst, kBlock, bv, a.buffer_rows[n], j, h, j0, K, w);
+                store_block(fdst, kB, state_at<P>(pv, t.pool_row, 0, h, j0), pv.s_k, pv.s_v, K, w);
+              if (has_buf) store_block_as(fdst, kB, bv, a.buffer_rows[n], j, h, j0, K, w);
               continue;
             }
 #if defined(GDR_SIMD_BLOCK)
@@ -218,7 +219,7 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
             const P* next = nullptr;
             int64_t nss = pv.s_k;
             if (j == len - 1) {
-              if (j0 + kBlock < V) next = start && !stage_start ? start + j0 + kBlock : nullptr;
+              if (j0 + kB < V) next = start && !stage_start ? start + j0 + kB : nullptr;
               else next = next_item;
             }
             step_block_half(tb, hsrc, pv.s_k, fsrc, fss, fdst, t.loc.stride, hdst, pv.s_k, K, w, block_scratch, out,

@@ -19,6 +19,18 @@ namespace gdr {
 // generic one): 32 columns of 128 rows are 16 KiB, which stay in L1 while the block is
 // rewritten; 32 beat 64 and 16 in the decode bench (bench/RESULTS.md).
 constexpr int64_t kBlock = 32;
+// Columns per block of a pool of P in the pool step: on AVX-512 a pool narrower than float32
+// takes 64 columns (four registers' width, so that its row piece is as many bytes as a
+// float32 one of kBlock columns and the block's sums run in eight independent chains),
+// elsewhere kBlock (bench/RESULTS.md).
+template <typename P>
+constexpr int64_t pool_block_cols() {
+#if defined(__AVX512F__)
+  return sizeof(P) < sizeof(float) ? 2 * kBlock : kBlock;
+#else
+  return kBlock;
+#endif
+}
 // Tokens whose inputs are prepared together (their q, k, v in float32 in scratch).
 constexpr int64_t kGroup = 8;
 
@@ -183,13 +195,23 @@ inline Vec::R load_lanes<c10::BFloat16>(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-template <>
-inline void store_lanes<c10::BFloat16>(c10::BFloat16* p, Vec::R x) {
+// float32 lanes rounded to nearest even, the bfloat16 in each lane's low half (NaN: 0x7FC0).
+inline __m512i round_bf16_low(Vec::R x) {
   const __m512i b = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+}
+template <>
+inline void store_lanes<c10::BFloat16>(c10::BFloat16* p, Vec::R x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_bf16_low(x)));
+}
+// Two registers into 32 bfloat16: one pack and one lane permute (two shuffles) where two
+// narrowing moves take four.
+inline void store_lanes2_bf16(c10::BFloat16* p, Vec::R a, Vec::R b) {
+  const __m512i packed = _mm512_packus_epi32(round_bf16_low(a), round_bf16_low(b));  // per 128-bit lane: a, b
+  const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi64(order, packed));
 }
 template <>
 inline Vec::R load_lanes<c10::Half>(const c10::Half* p) {
@@ -273,6 +295,20 @@ inline void prefetch_write_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_ET0);
 }
 
+// NV registers into NV * Vec::kLanes elements of P (bfloat16 on AVX-512 two at a time).
+template <int NV, typename P>
+inline void store_lanes_n(P* p, const Vec::R* x) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<P, c10::BFloat16> && NV % 2 == 0) {
+#pragma GCC unroll 2
+    for (int i = 0; i < NV; i += 2) store_lanes2_bf16(p + Vec::kLanes * i, x[i], x[i + 1]);
+    return;
+  }
+#endif
+#pragma GCC unroll 4
+  for (int i = 0; i < NV; ++i) store_lanes(p + Vec::kLanes * i, x[i]);
+}
+
 // One token over a block of Vec::kLanes * NV columns of a key-first state, without a
 // float32 copy of a pool row: the state is read from `hsrc` (a row of P, rows `hss` elements
 // apart) or `fsrc` (float32, rows `fss` apart) or is zero (both null), and the new state
@@ -322,10 +358,7 @@ inline void block_half(const TokenIn& t, const P* hsrc, int64_t hss, const float
 #pragma GCC unroll 4
       for (int i = 0; i < NV; ++i) Vec::store(fdst + r * fds + L * i, x[i]);
     }
-    if (hdst) {
-#pragma GCC unroll 4
-      for (int i = 0; i < NV; ++i) store_lanes(hdst + r * hds + L * i, x[i]);
-    }
+    if (hdst) store_lanes_n<NV>(hdst + r * hds, x);
   }
 }
 

@@ -1,13 +1,13 @@
 // Small GEMMs of the chunked kernels without a BLAS call: register-blocked AVX2 (FMA)
-// micro-kernels of 6 rows x 16 columns, no packing, operands read where they lie.
+// micro-kernels of 6 rows x 16 columns (6 x 32 in AVX-512 registers where the variant has
+// them), no packing, operands read where they lie.
 //
 // The chunk products are small (tens to a hundred rows, 128 columns) and repeated thousands
 // of times a call; the BLAS's fixed cost per call (argument checks, packing both operands,
 // scaling C by beta) was a quarter of the forward's time on a Zen 3 EPYC. Here:
 //   C[M, N] = alpha * diag(row_scale) * A B + beta * C    (beta 0: C is not read)
 // where A is float32 read through element strides (so op(A) = A^T costs nothing: swap the
-// strides) and B is row-major in float32, float16 or bfloat16, the half rows converted to
-// float32 in registers as they are loaded (no float32 copy of a half operand).
+// strides) and B is row-major float32 (half operands are converted as their tiles load).
 #pragma once
 
 #include "common.h"
@@ -18,61 +18,86 @@ namespace micro {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kEnabled = true;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) { return convert8::load(p); }
-inline __m256 load8(const c10::Half* p) { return convert8::load(p); }
+// The registers of a micro-kernel: 8 floats (AVX2), or 16 (AVX-512: the column blocks of 16
+// and 32 columns, the 8-column tail in AVX2 registers).
+struct Lanes8 {
+  using R = __m256;
+  static constexpr int kWidth = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+};
 
-// acc[i][v] = sum_r A(i, r) * B[r][8v : 8v + 8] for MR rows and NV vectors of columns, then
-// stored as described above.
-template <int MR, int NV, typename TB>
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using R = __m512;
+  static constexpr int kWidth = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+};
+#endif
+
+// acc[i][v] = sum_r A(i, r) * B[r][w v : w v + w] (w = L::kWidth) for MR rows and NV vectors
+// of columns, then stored as described above.
+template <int MR, int NV, typename L, typename TB>
 inline void kernel(int64_t kd, const float* a, int64_t ars, int64_t acs, const TB* b, int64_t ldb, float* c,
                    int64_t ldc, float alpha, const float* row_scale, float beta) {
-  __m256 acc[MR][NV];
+  constexpr int W = L::kWidth;
+  typename L::R acc[MR][NV];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = L::zero();
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kd; ++r) {
-    __m256 bv[NV];
+    typename L::R bv[NV];
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) bv[v] = load8(b + r * ldb + 8 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = L::load(b + r * ldb + W * v);
     const float* ar = a + r * acs;
 #pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
-      const __m256 ai = _mm256_broadcast_ss(ar + i * ars);
+      const typename L::R ai = L::broadcast(ar + i * ars);
 #pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(ai, bv[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = L::fmadd(ai, bv[v], acc[i][v]);
     }
   }
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    const __m256 s = _mm256_set1_ps(row_scale ? alpha * row_scale[i] : alpha);
+    const typename L::R s = L::set1(row_scale ? alpha * row_scale[i] : alpha);
     float* ci = c + i * ldc;
 #pragma GCC unroll 3
     for (int v = 0; v < NV; ++v) {
-      __m256 x = _mm256_mul_ps(acc[i][v], s);
-      if (beta != 0.0f) x = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(ci + 8 * v), x);
-      _mm256_storeu_ps(ci + 8 * v, x);
+      typename L::R x = L::mul(acc[i][v], s);
+      if (beta != 0.0f) x = L::fmadd(L::set1(beta), L::load(ci + W * v), x);
+      L::store(ci + W * v, x);
     }
   }
 }
 
 // MR rows (1 to 6) starting at row i of one column block of NV vectors; `kd` the reduction
 // length of these rows.
-template <int NV, typename TB>
+template <int NV, typename L, typename TB>
 inline void rows_block(int mr, int64_t i, int64_t kd, const float* a, int64_t ars, int64_t acs, const TB* b,
                        int64_t ldb, float* c, int64_t ldc, float alpha, const float* rs, float beta) {
   const float* ai = a + i * ars;
   float* ci = c + i * ldc;
   const float* ri = rs ? rs + i : nullptr;
   switch (mr) {
-    case 6: return kernel<6, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
-    case 5: return kernel<5, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
-    case 4: return kernel<4, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
-    case 3: return kernel<3, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
-    case 2: return kernel<2, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
-    case 1: return kernel<1, NV>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 6: return kernel<6, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 5: return kernel<5, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 4: return kernel<4, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 3: return kernel<3, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 2: return kernel<2, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
+    case 1: return kernel<1, NV, L>(kd, ai, ars, acs, b, ldb, ci, ldc, alpha, ri, beta);
     default: return;
   }
 }
@@ -88,13 +113,13 @@ enum class Tri {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // Rows [i0, M) of the column block starting at column j0, 6 rows at a time; a tail of 7 or 8
 // rows as 4 + 3 or 4 + 4 (fewer than 8 accumulators leave the FMA units idle).
-template <int NV, typename TB>
+template <int NV, typename L, typename TB>
 inline void column_block(int64_t M, int64_t kd, const float* a, int64_t ars, int64_t acs, const TB* b, int64_t ldb,
                          float* c, int64_t ldc, float alpha, const float* rs, float beta, Tri tri, int64_t j0) {
   int64_t i = tri == Tri::CLower ? std::min(M, j0) : 0;
   auto run = [&](int mr, int64_t row) {
     const int64_t k_rows = tri == Tri::ALower ? std::min(kd, row + mr) : kd;
-    rows_block<NV>(mr, row, k_rows, a, ars, acs, b, ldb, c, ldc, alpha, rs, beta);
+    rows_block<NV, L>(mr, row, k_rows, a, ars, acs, b, ldb, c, ldc, alpha, rs, beta);
   };
   for (; M - i > 8; i += 6) run(6, i);
   const int64_t rest = M - i;
@@ -136,10 +161,19 @@ inline void gemm_nn(int64_t M, int64_t N, int64_t kd, float alpha, const float* 
   if (M <= 0 || N <= 0) return;
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__)
+  for (; j + 32 <= N; j += 32)
+    column_block<2, Lanes16>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
+  if (j + 16 <= N) {
+    column_block<1, Lanes16>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
+    j += 16;
+  }
+#else
   for (; j + 16 <= N; j += 16)
-    column_block<2>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
+    column_block<2, Lanes8>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
+#endif
   if (j + 8 <= N) {
-    column_block<1>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
+    column_block<1, Lanes8>(M, kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, row_scale, beta, tri, j);
     j += 8;
   }
 #endif

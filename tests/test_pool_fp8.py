@@ -120,6 +120,31 @@ def test_fp8_store_is_the_saturating_cast(backend: str, dtype: torch.dtype, dim_
     assert bool(pool[[1, 3]].float().eq(3.0).all())  # rows not written keep their bits
 
 
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_rows_read_exactly(backend: str, dtype: torch.dtype) -> None:
+    """Every finite fp8 value (but -0) is read exactly: with g = 0, beta = 0 and k = 0 a step
+    leaves the state as it is, so the row written is the row read, bit for bit, and with q = e_n
+    and scale 1 the output of sequence n is key row n of the state as float32. V = 64 runs
+    the kernel's vector path (whole registers of fp8 lanes)."""
+    dk, dv, seqs = 8, 64, 8
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    finite = codes[codes.float().isfinite() & (codes.view(torch.uint8) != 0x80)]  # -0 + 0 is +0
+    src = finite[torch.arange(HV * dk * dv) % finite.numel()].view(HV, dk, dv)
+    pool = torch.zeros(seqs + 1, HV, dk, dv, dtype=dtype)
+    pool[0] = src
+    q = torch.eye(dk)[:seqs].view(seqs, 1, 1, dk)
+    zeros = torch.zeros(seqs, 1, HV)
+    with torch.no_grad():
+        o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+            q, torch.zeros(seqs, 1, 1, dk), torch.randn(seqs, 1, HV, dv), zeros, beta=zeros, scale=1.0,
+            initial_state=pool, ssm_state_indices=torch.arange(1, seqs + 1),
+            initial_state_indices=torch.zeros(seqs, dtype=torch.int64), backend=backend)
+    for n in range(seqs):
+        assert torch.equal(pool[n + 1].view(torch.uint8), src.view(torch.uint8)), f"row {n + 1} is not the row read"
+        assert torch.equal(o[n, 0], src[:, n].float()), f"sequence {n}: o is not key row {n} of the state"
+
+
 def test_saturating_store_and_nan() -> None:
     """A state past the largest finite value is stored as that value (e5m2 too, where a
     plain cast gives inf); a NaN state stays NaN; other rows keep their bits."""

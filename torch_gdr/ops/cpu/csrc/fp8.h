@@ -104,4 +104,52 @@ inline void fp8_store8(P* p, __m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// fp8_load8 for 16 values, in AVX-512 registers (comparisons into mask registers).
+template <typename P>
+inline __m512 fp8_load16(const P* p) {
+  constexpr int bias = Fp8Format<P>::kBias, mant = Fp8Format<P>::kMant;
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 23 - mant), _mm512_set1_epi32((127 - bias) << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em),
+                                   _mm512_castsi512_ps(_mm512_set1_epi32((127 + 1 - bias - mant) << 23)));
+  __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(1 << mant)),
+                                  _mm512_castsi512_ps(normal), sub);
+  if constexpr (std::is_same_v<P, c10::Float8_e4m3fn>) {  // 0x7F: NaN (no infinities)
+    x = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), x,
+                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  } else {  // exponent all ones: inf (mantissa 0) or NaN
+    const __m512i bits = _mm512_or_si512(_mm512_set1_epi32(0x7F800000),
+                                         _mm512_slli_epi32(_mm512_and_si512(em, _mm512_set1_epi32(3)), 21));
+    x = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(em, _mm512_set1_epi32(0x7B)), x, _mm512_castsi512_ps(bits));
+  }
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+
+// fp8_store8 for 16 lanes: the same rounding and saturation, one narrowing move at the end.
+template <typename P>
+inline void fp8_store16(P* p, __m512 x) {
+  constexpr int bias = Fp8Format<P>::kBias, mant = Fp8Format<P>::kMant;
+  const __m512 m = _mm512_set1_ps(Fp8Format<P>::kMax);
+  // min/max return their second operand when either is NaN: x, so NaN stays NaN
+  x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), m), _mm512_min_ps(m, x));
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 23 - mant), _mm512_set1_epi32(1));
+  const __m512i rounding = _mm512_set1_epi32(static_cast<int>((static_cast<uint32_t>(bias - 127) << 23) +
+                                                              ((1u << (22 - mant)) - 1u)));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, rounding), odd), 23 - mant);
+  const __m512i magic = _mm512_set1_epi32((127 - bias + 23 - mant + 1) << 23);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic))), magic);
+  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, _mm512_set1_epi32((127 - bias + 1) << 23)), normal, sub);
+  r = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), r, _mm512_set1_epi32(0x7F));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
+}
+#endif
+
 }  // namespace gdr

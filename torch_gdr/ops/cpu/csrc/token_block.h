@@ -255,12 +255,11 @@ template <>
 inline void store_lanes<c10::Half>(c10::Half* p, Vec::R x) { store_lanes_scalar(p, x); }
 #endif
 
-// fp8 pools: 8 lanes at a time (fp8.h), two halves of a 16-lane register on AVX-512.
+// fp8 pools: a register's lanes at a time (fp8.h).
 template <typename P>
 inline Vec::R fp8_load_lanes(const P* p) {
 #if defined(__AVX512F__)
-  const __m256 lo = fp8_load8(p), hi = fp8_load8(p + 8);
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+  return fp8_load16(p);
 #else
   return fp8_load8(p);
 #endif
@@ -268,8 +267,7 @@ inline Vec::R fp8_load_lanes(const P* p) {
 template <typename P>
 inline void fp8_store_lanes(P* p, Vec::R x) {
 #if defined(__AVX512F__)
-  fp8_store8(p, _mm512_castps512_ps256(x));
-  fp8_store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  fp8_store16(p, x);
 #else
   fp8_store8(p, x);
 #endif

@@ -123,15 +123,22 @@ def gemm_part(rounds: int, n: int = 2048) -> None:
           f"(CPU time {cpu_ratio('bf16', 'fp32'):.3f})")
 
 
+def chunk_inputs(seq_len: int, heads: int, v_heads: int, dim: int = 128) -> dict[str, torch.Tensor]:
+    """One sequence's float32 inputs, seeded: q, k unit rows ``[1, T, H, K]``, v ``[1, T, HV, V]``,
+    g (mild decay) and beta ``[1, T, HV]``."""
+    gen = torch.Generator().manual_seed(1)
+    return dict(q=F.normalize(torch.randn(1, seq_len, heads, dim, generator=gen), dim=-1),
+                k=F.normalize(torch.randn(1, seq_len, heads, dim, generator=gen), dim=-1),
+                v=torch.randn(1, seq_len, v_heads, dim, generator=gen),
+                g=F.logsigmoid(torch.randn(1, seq_len, v_heads, generator=gen)) * 0.1,
+                beta=torch.sigmoid(torch.randn(1, seq_len, v_heads, generator=gen)))
+
+
 def chunk_part(rounds: int, seq_len: int, shapes: tuple[tuple[int, int], ...], dim: int = 128,
                backward: bool = True, loss: str = "grad") -> None:
     for heads, v_heads in shapes:
-        gen = torch.Generator().manual_seed(1)
-        base = dict(q=F.normalize(torch.randn(1, seq_len, heads, dim, generator=gen), dim=-1),
-                    k=F.normalize(torch.randn(1, seq_len, heads, dim, generator=gen), dim=-1),
-                    v=torch.randn(1, seq_len, v_heads, dim, generator=gen),
-                    g=F.logsigmoid(torch.randn(1, seq_len, v_heads, generator=gen)) * 0.1,
-                    beta=torch.sigmoid(torch.randn(1, seq_len, v_heads, generator=gen)))
+        base = chunk_inputs(seq_len, heads, v_heads, dim)
+        gen = torch.Generator().manual_seed(2)  # the gradients'
         inputs = {"fp32": base}
         for name, dt in HALF.items():
             inputs[name] = {n: (t.to(dt) if n in "qkv" else t) for n, t in base.items()}

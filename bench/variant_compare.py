@@ -29,22 +29,11 @@ from torch_gdr.ops.cpu import _build, _variants
 from torch_gdr.ops.cpu.pool import pool_recurrent_fwd
 
 try:
-    from bench.half_bench import alternate, cpu_name
+    from bench.half_bench import alternate, chunk_inputs, cpu_name
 except ImportError:  # run as a script from bench/
-    from half_bench import alternate, cpu_name  # type: ignore[no-redef]
+    from half_bench import alternate, chunk_inputs, cpu_name  # type: ignore[no-redef]
 
 DIM, SLOTS = 128, 512
-
-
-def chunk_inputs(seq_len: int, heads: int, v_heads: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """q, k (unit rows), v in ``dtype``; g, beta float32; ``[1, T, H or HV, (K or V)]``."""
-    gen = torch.Generator().manual_seed(1)
-    x = dict(q=F.normalize(torch.randn(1, seq_len, heads, DIM, generator=gen), dim=-1),
-             k=F.normalize(torch.randn(1, seq_len, heads, DIM, generator=gen), dim=-1),
-             v=torch.randn(1, seq_len, v_heads, DIM, generator=gen),
-             g=F.logsigmoid(torch.randn(1, seq_len, v_heads, generator=gen)) * 0.1,
-             beta=torch.sigmoid(torch.randn(1, seq_len, v_heads, generator=gen)))
-    return {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in x.items()}
 
 
 def cases(seq_len: int) -> dict[str, Callable[[], None]]:
@@ -52,7 +41,8 @@ def cases(seq_len: int) -> dict[str, Callable[[], None]]:
     out: dict[str, Callable[[], None]] = {}
     for heads, v_heads in ((16, 32), (4, 4)):
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            x = chunk_inputs(seq_len, heads, v_heads, dtype)
+            x = {n: (t.to(dtype) if n in ("q", "k", "v") else t)
+                 for n, t in chunk_inputs(seq_len, heads, v_heads, DIM).items()}
 
             def forward(x=x) -> None:
                 with torch.no_grad():

@@ -76,13 +76,15 @@ def pipe_figures(logs: dict[str, list[dict[str, Any]]], tasks: int, units_per_ta
 
 
 def find_pipe_log(root: Path) -> Path:
-    """The decode kernel's pipe log under a ``pypto_cost_model.py --out`` folder (or the file)."""
+    """The decode kernel's pipe log under a ``pypto_cost_model.py --out`` folder (its ``decode/``
+    part where there is one, never a copy kernel's), or the file itself. Large launches get no
+    pipe log from the SIM (H16/HV32 S = 4 B = 64 has none): then FileNotFoundError."""
     if root.is_file():
         return root
-    found = sorted(root.glob("decode/*/CostModelSimulationOutput/_simulate.pipe.swim.json")) or sorted(
-        root.glob("**/_simulate.pipe.swim.json"))
+    where = root / "decode" if (root / "decode").is_dir() else root
+    found = sorted(where.glob("**/_simulate.pipe.swim.json"))
     if not found:
-        raise FileNotFoundError(f"no _simulate.pipe.swim.json under {root}")
+        raise FileNotFoundError(f"no _simulate.pipe.swim.json under {where} (the SIM writes none for large launches)")
     return found[0]
 
 

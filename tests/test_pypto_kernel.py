@@ -517,6 +517,21 @@ def test_pipe_log_figures_come_from_the_busiest_vector_core() -> None:
     assert figures["MTE_IN"].per_unit == 350.0
 
 
+def test_pipe_log_is_the_decode_kernels_never_the_copys(tmp_path: Path) -> None:
+    """bench/pypto_pipe_log.py finds the decode launch's pipe log under a --out folder, and
+    where the SIM wrote none for it (large launches) fails rather than read the copy kernel's."""
+    script = _bench_script("pypto_pipe_log")
+    sim = "output_1/CostModelSimulationOutput/_simulate.pipe.swim.json"
+    copy_log = tmp_path / "copy_task_64" / sim
+    copy_log.parent.mkdir(parents=True)
+    copy_log.write_text("[]")
+    (tmp_path / "decode" / "output_1" / "CostModelSimulationOutput").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        script.find_pipe_log(tmp_path)
+    (tmp_path / "decode" / sim).write_text("[]")
+    assert script.find_pipe_log(tmp_path) == tmp_path / "decode" / sim
+
+
 def test_cost_model_counts_matmul_macs_from_the_leaf_graphs() -> None:
     """MACs of a leaf function: m k n of each matmul tile op from its L0A, L0B and L0C tiles (the
     0.2.0 dot layout), accumulating ops included, copies not; and the algorithm's count per chunk

@@ -272,15 +272,6 @@ def build_decode_kernel(
     # the body's copies: fewer rows spilled and re-read, B = 8 62,642 -> 45,356 cycles,
     # B = 64 (8 heads a task) 269,426 (bench/RESULTS.md); it slows 16-head and 2-byte bodies.
     decay_nudge = one_token and heads == 8 and pool_dtype == "float32"
-    import os as _os
-    # PROTOTYPE (issue 37, sixth session; slower in the cost model, bench/RESULTS.md): the chunk
-    # (WY) form over a sequence's S tokens, K S_0 and Q S_0 on the cube, kv and o from them and
-    # the earlier tokens' u; plain kernels only (it takes g as the log decay). GDR_WY=1.
-    wy_form = (not one_token) and _os.environ.get("GDR_WY") == "1" and not gate_in_kernel
-    wy_extra: dict = {}
-    head_index = [0]
-    wy_last: dict = {}
-    wy_rows = max(small_rows, tokens_per_seq)  # the [j, V] products in one tile
 
     def fp32_of(x: Any, dtype: str) -> Any:
         return x if dtype == "float32" else pypto.cast(x, fp32)
@@ -347,17 +338,9 @@ def build_decode_kernel(
         update: the state is never zero, a -1 row reads as a masked row)."""
         first = seq * tokens_per_seq
         pypto.set_vec_tile_shapes(small_rows, 128)
-        qf = fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype)
-        kf = fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype)
-        if wy_form:  # the inverse norms, for the cube's products of the raw rows
-            inv_q = (1.0 / pypto.sqrt((qf * qf).sum(-1, keepdim=True) + L2NORM_EPS)) * scale if use_qk_l2norm else None
-            inv_k = 1.0 / pypto.sqrt((kf * kf).sum(-1, keepdim=True) + L2NORM_EPS) if use_qk_l2norm else None
-            q_rows = qf * inv_q if use_qk_l2norm else qf * scale
-            k_rows = kf * inv_k if use_qk_l2norm else kf
-            wy_last["rows"] = (k_rows, inv_q, inv_k)
-        else:
-            q_rows = normalised(qf) * scale
-            k_rows = normalised(kf)
+        q_rows = normalised(fp32_of(pypto.view(q, [tokens_per_seq, dk], [first, (head // group) * dk]),
+                                    input_dtype)) * scale
+        k_rows = normalised(fp32_of(pypto.view(k, [tokens_per_seq, dk], [first, (head // group) * dk]), input_dtype))
         qk = None if output_from_new_state else pypto.expand_clone((q_rows * k_rows).sum(-1, keepdim=True),
                                                                    [tokens_per_seq, dv])
         v_rows = fp32_of(pypto.view(v, [tokens_per_seq, dv], [first, head * dv]), input_dtype)
@@ -466,8 +449,6 @@ def build_decode_kernel(
         if j > 0:  # the state times this token's decay
             pypto.set_vec_tile_shapes(state_rows, 128)
             state = [block * inputs[j][0][2] for block in state]
-        if wy_form:
-            return wy_token(state, inputs[j][0], wy_extra[head_index[0]], o, seq * tokens_per_seq + j, head * dv, j)
         return head_token(state, inputs[j][0], o, seq * tokens_per_seq + j, head * dv)
 
     def sequence_store(pool_out: Any, state: list, row_out: Any, head: Any) -> None:
@@ -481,77 +462,12 @@ def build_decode_kernel(
         pypto.set_vec_tile_shapes(8, 8)
         per_head = [None if gates is None else tuple(pypto.view(x, [1, 1], [0, h]) for x in gates)
                     for h in range(heads)]  # the body's gate terms are [1, heads]
-        inputs = []
-        for h in range(heads):
-            inputs.append(sequence_inputs(q, k, v, g, beta, seq, first_head + h, per_head[h]))
-            if wy_form:
-                wy_extra[h] = wy_start(q, k, g, read_rows, pool, seq, first_head + h, wy_last["rows"])
+        inputs = [sequence_inputs(q, k, v, g, beta, seq, first_head + h, per_head[h]) for h in range(heads)]
         return inputs, [sequence_start(read_rows, pool, seq, first_head + h, inputs[h]) for h in range(heads)]
-
-    def wy_start(q: Any, k: Any, g: Any, read_rows: Any, pool: Any, seq: Any, head: Any, rows: tuple) -> dict:
-        """The chunk form's products with the start state (cube) and the cumulative decays.
-        ``rows``: (k rows normalised [S, K], q's and k's inverse norms [S, 1] or None)."""
-        k_rows, inv_q, inv_k = rows
-        first = seq * tokens_per_seq
-        kh = head // group
-        row_in = read_rows[seq, 0]
-        s0 = pypto.view(pool, [dk, dv], [(pypto.max(row_in, 0) * num_v_heads + head) * dk, 0])
-        pypto.set_cube_tile_shapes([16, 16], [128, 128], [128, 128])
-        ks = pypto.matmul(pypto.view(k, [tokens_per_seq, dk], [first, kh * dk]), s0, fp32)
-        qs = pypto.matmul(pypto.view(q, [tokens_per_seq, dk], [first, kh * dk]), s0, fp32)
-        pypto.set_vec_tile_shapes(small_rows, 8)
-        g_cum = pypto.cumsum(pypto.view(g, [tokens_per_seq, 1], [first, head]), 0)
-        a = pypto.exp(g_cum)
-        pypto.set_vec_tile_shapes(wy_rows, 128)
-        keep = pypto.expand_clone(pypto.cast(pypto.view(read_rows, [1, 1], [seq, 0]), fp32), [tokens_per_seq, 1]) >= 0.0
-        ka = pypto.where(keep, a if inv_k is None else a * inv_k, 0.0)
-        qa = pypto.where(keep, a * scale if inv_q is None else a * inv_q, 0.0)
-        ks = ks * pypto.expand_clone(ka, [tokens_per_seq, dv])
-        qs = qs * pypto.expand_clone(qa, [tokens_per_seq, dv])
-        pypto.set_vec_tile_shapes(small_rows, 8)
-        index = pypto.cumsum(g_cum * 0.0 + 1.0, 0) - 1.0  # row i: i
-        pypto.set_vec_tile_shapes(wy_rows, 128)
-        index = pypto.expand_clone(index, [tokens_per_seq, dv])
-        return dict(ks=ks, qs=qs, k_rows=k_rows, g_cum=g_cum, index=index, u=None)
-
-    def wy_token(state: list, inputs: tuple, extra: dict, o: Any, o_row: Any, o_col: Any, j: int) -> list:
-        """Token j from the start products and the earlier tokens' u (rows of an [S, V] tile,
-        zeros below the tokens done), and the state after it for its store."""
-        q_t, k_t, _, beta_t, beta_v, _ = inputs
-        pypto.set_vec_tile_shapes(1, 128)
-        kv = pypto.view(extra["ks"], [1, dv], [j, 0])
-        qs_t = pypto.view(extra["qs"], [1, dv], [j, 0])
-        pypto.set_vec_tile_shapes(wy_rows, 128)
-        g_t = pypto.view(extra["g_cum"], [1, 1], [j, 0])
-        diff = pypto.expand_clone(g_t, [tokens_per_seq, 1]) - extra["g_cum"]
-        ratio = pypto.exp(pypto.where(diff > 0.0, 0.0, diff))  # a_t / a_i, i <= t (the rest meet zero rows)
-        if j > 0:
-            kk = (extra["k_rows"] * k_t).sum(-1, keepdim=True)
-            kv = kv + (pypto.expand_clone(ratio * kk, [tokens_per_seq, dv]) * extra["u"]).sum(0, keepdim=True)
-        pypto.set_vec_tile_shapes(1, 128)
-        u = beta_v - kv * beta_t
-        pypto.set_vec_tile_shapes(wy_rows, 128)
-        u_rows = pypto.expand_clone(u, [tokens_per_seq, dv])
-        index = extra["index"]
-        extra["u"] = (pypto.where(index > 0.5, 0.0, u_rows) if j == 0 else
-                      pypto.where(index > j + 0.5, extra["u"], pypto.where(index > j - 0.5, u_rows, extra["u"])))
-        qk = (extra["k_rows"] * q_t).sum(-1, keepdim=True)
-        o_t = qs_t + (pypto.expand_clone(ratio * qk, [tokens_per_seq, dv]) * extra["u"]).sum(0, keepdim=True)
-        pypto.set_vec_tile_shapes(1, 128)
-        pypto.assemble(o_t, [o_row, o_col], o)
-        pypto.set_vec_tile_shapes(state_rows, 128)
-        k_col = pypto.transpose(k_t, 0, 1)
-        update = [pypto.expand_clone(pypto.view(k_col, [state_rows, 1], [r, 0]), [state_rows, dv]) * u
-                  for r in range(0, dk, state_rows)]
-        return [block + up for block, up in zip(state, update)]
 
     def sequence_tokens(states: list, inputs: list, o: Any, seq: Any, first_head: Any, j: int) -> list:
         """Token ``j`` on the body's value heads, one after another."""
-        out = []
-        for h in range(heads):
-            head_index[0] = h
-            out.append(sequence_token(states[h], inputs[h], o, seq, first_head + h, j))
-        return out
+        return [sequence_token(states[h], inputs[h], o, seq, first_head + h, j) for h in range(heads)]
 
     def sequence_stores(pool_out: Any, states: list, row_out: Any, first_head: Any) -> None:
         for h in range(heads):

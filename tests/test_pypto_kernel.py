@@ -491,6 +491,47 @@ def test_cost_model_report_parsing() -> None:
     assert figures == dict(total_cycles=323707, tasks=361, cube_pipe_pct=2.6, vector_pipe_pct=1.06, mte_in_pct=21.43)
 
 
+def test_pipe_log_figures_come_from_the_busiest_vector_core() -> None:
+    """bench/pypto_pipe_log.py: the AIV core with the most tasks is read (a cube core and a
+    vector core with fewer tasks are not), both task spellings of the SIM count, and each pipe's
+    busy cycles and opcode counts are divided by tasks x units a task."""
+    script = _bench_script("pypto_pipe_log")
+
+    def op(start: int, end: int, text: str) -> dict:
+        return {"execStart": start, "execEnd": end, "tileOp": text}
+
+    busy = {"VECTOR_ALU": [op(0, 240, "1 MUL a TASK[0] (a)"), op(240, 400, "2 ROWSUMLINE b TASK[0] (a)"),
+                           op(900, 1140, "1 MUL a Task[7]-r")],
+            "MTE_IN": [op(0, 1400, "3 COPY_IN c TASK[0] (a)"), op(1400, 2800, "3 COPY_IN c Task[7]-r")]}
+    cores = [{"blockIdx": 0, "coreType": "AIC", "pipeLogs": {"CUBE": [op(0, 9, "4 A_MUL_B d TASK[1]"),
+                                                                       op(9, 18, "4 A_MUL_B d TASK[2]"),
+                                                                       op(18, 27, "4 A_MUL_B d TASK[3]")]}},
+             {"blockIdx": 24, "coreType": "AIV", "pipeLogs": {"VECTOR_ALU": [op(0, 5000, "1 MUL a TASK[9]")]}},
+             {"blockIdx": 25, "coreType": "AIV", "pipeLogs": busy},
+             {"blockIdx": 26, "coreType": "AIV"}]
+    core, tasks, logs = script.busiest_vector_core(cores)
+    assert (core, tasks) == ("25", 2)
+    figures = script.pipe_figures(logs, tasks, units_per_task=4)
+    assert figures["VECTOR_ALU"].cycles == 640 and figures["VECTOR_ALU"].per_unit == 80.0
+    assert figures["VECTOR_ALU"].ops == {"MUL": (0.25, 240.0), "ROWSUMLINE": (0.125, 160.0)}
+    assert figures["MTE_IN"].per_unit == 350.0
+
+
+def test_pipe_log_is_the_decode_kernels_never_the_copys(tmp_path: Path) -> None:
+    """bench/pypto_pipe_log.py finds the decode launch's pipe log under a --out folder, and
+    where the SIM wrote none for it (large launches) fails rather than read the copy kernel's."""
+    script = _bench_script("pypto_pipe_log")
+    sim = "output_1/CostModelSimulationOutput/_simulate.pipe.swim.json"
+    copy_log = tmp_path / "copy_task_64" / sim
+    copy_log.parent.mkdir(parents=True)
+    copy_log.write_text("[]")
+    (tmp_path / "decode" / "output_1" / "CostModelSimulationOutput").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        script.find_pipe_log(tmp_path)
+    (tmp_path / "decode" / sim).write_text("[]")
+    assert script.find_pipe_log(tmp_path) == tmp_path / "decode" / sim
+
+
 def test_cost_model_counts_matmul_macs_from_the_leaf_graphs() -> None:
     """MACs of a leaf function: m k n of each matmul tile op from its L0A, L0B and L0C tiles (the
     0.2.0 dot layout), accumulating ops included, copies not; and the algorithm's count per chunk

@@ -26,8 +26,9 @@ BACKENDS = ("cpu", "torch")
 HV = 2
 
 
-def _inputs(lens: list[int], backend: str, varlen: bool, seed: int = 3) -> tuple[dict, Optional[torch.Tensor], list]:
-    dk, dv = DIMS[backend]
+def _inputs(lens: list[int], backend: str, varlen: bool, seed: int = 3,
+            dims: Optional[tuple[int, int]] = None) -> tuple[dict, Optional[torch.Tensor], list]:
+    dk, dv = dims or DIMS[backend]
     x = make_inputs(seqlens=lens, num_qk_heads=1, num_v_heads=HV, head_k_dim=dk, head_v_dim=dv, dtype=torch.float32,
                     seed=seed)
     cu = x.pop("cu_seqlens")
@@ -67,9 +68,9 @@ def _step(backend: str, compiled: bool, tag: str):
 def run_case(backend: str, lens: list[int], rows: list[list[int]], *, parents: Optional[list] = None,
              accepted: Optional[list] = None, buffer_rows: Optional[list] = None, buffer_shape=(5, 4),
              buffer_dtype=torch.float32, disable: bool = False, varlen: bool = False,
-             compiled: bool = False, slots: int = 16) -> None:
-    dk, dv = DIMS[backend]
-    x, cu, bos = _inputs(lens, backend, varlen)
+             compiled: bool = False, slots: int = 16, dims: Optional[tuple[int, int]] = None) -> None:
+    dk, dv = dims or DIMS[backend]
+    x, cu, bos = _inputs(lens, backend, varlen, dims=dims)
     pool, _ = make_pool(slots, HV, dk, dv, seed=4)
     pool[slots - 1] = float("nan")  # no case reads it
     before = pool.clone()
@@ -121,6 +122,13 @@ ROWS = [[1, 2, 3, 4], [5, -1, 6, 7], [8, 9, 10, -1]]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tree_writes_every_token_state_to_its_row(backend: str) -> None:
     run_case(backend, [4, 4, 4], ROWS, parents=TREE)
+
+
+def test_tree_on_the_vector_path() -> None:
+    """V = 48, a multiple of the vector width on AVX2 and on AVX-512, so the cpu kernel takes
+    its vector path (V = 40 takes the staged one on AVX-512). Sequence 1's second root starts
+    from the start row after its first root has overwritten it (the kernel stages that row)."""
+    run_case("cpu", [4, 4, 4], ROWS, parents=TREE, dims=(8, 48))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

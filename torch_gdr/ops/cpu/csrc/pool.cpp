@@ -161,7 +161,11 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
         }
         bool stage_start = !vector && r0 >= 0;
         if (vector && tree && r0 >= 0) {  // a root after a token that overwrote the start row
-          for (int64_t j = 0; j < len; ++j) stage_start = stage_start || plan[j].pool_row == r0;
+          bool overwritten = false;  // by an earlier token (a root reads its block before writing it)
+          for (int64_t j = 0; j < len; ++j) {
+            stage_start = stage_start || (overwritten && plan[j].parent < 0);
+            overwritten = overwritten || plan[j].pool_row == r0;
+          }
         }
         for (int64_t j = 0; j < len; ++j) {
           TokenPlan& t = plan[j];

@@ -131,6 +131,27 @@ def test_tree_on_the_vector_path() -> None:
     run_case("cpu", [4, 4, 4], ROWS, parents=TREE, dims=(8, 48))
 
 
+def test_tree_over_a_bf16_pool_on_the_vector_path() -> None:
+    """A tree over a bfloat16 pool (no buffer: on AVX2 the pool's even/odd register pairs, their
+    float32 scratch in that order) with a second root after the start row was overwritten,
+    V = 48: the cpu kernel against the torch backend (itself checked against the float64
+    recurrence above), within fla's rmse ratio for o and every pool row."""
+    x, _, _ = _inputs([4, 4, 4], "cpu", False, dims=(16, 48))
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t) for n, t in x.items()}
+    before = (torch.randn(16, HV, 16, 48, generator=torch.Generator().manual_seed(2)) * 0.3).to(torch.bfloat16)
+    got = {}
+    for backend in BACKENDS:
+        pool = before.clone()
+        with torch.no_grad():
+            o, _ = torch_gdr.fused_recurrent_gated_delta_rule(
+                *(x[f] for f in FIELDS[:4]), beta=x["beta"], initial_state=pool, ssm_state_indices=torch.tensor(ROWS),
+                retrieve_parent_token=torch.tensor(TREE), use_qk_l2norm_in_kernel=True, backend=backend)
+        got[backend] = (o.double(), pool.double())
+    assert not torch.equal(got["cpu"][1], before.double())
+    for what, i in (("o", 0), ("pool", 1)):
+        assert rmse_ratio(got["torch"][i], got["cpu"][i]) < 0.005, what
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tree_varlen_with_accepted_tokens(backend: str) -> None:
     """Packed sequences of 2, 4 and 1 tokens starting after their last accepted token."""

@@ -66,6 +66,37 @@ inline void store_row(const float* src, T* dst, int64_t n) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__)
+// Registers of float32 lanes, for kernels written once for both widths (the micro-GEMM, the
+// decode block): 8 lanes (AVX2 + FMA) and, where the build has AVX-512, 16.
+struct Lanes8 {
+  using R = __m256;
+  static constexpr int kLanes = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }   // a b + c
+  static R fnmadd(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+};
+#endif
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using R = __m512;
+  static constexpr int kLanes = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R fnmadd(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+};
+#endif
+
 // Half-precision rows converted 8 elements at a time (the compiler does not vectorise c10's
 // scalar conversions): bfloat16 by shifts, rounded to nearest even as c10 does (NaN as
 // 0x7FC0); float16 by the F16C instructions (round to nearest even).

@@ -18,40 +18,15 @@ namespace micro {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kEnabled = true;
 
-// The registers of a micro-kernel: 8 floats (AVX2), or 16 (AVX-512: the column blocks of 16
-// and 32 columns, the 8-column tail in AVX2 registers).
-struct Lanes8 {
-  using R = __m256;
-  static constexpr int kWidth = 8;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-};
+// The micro-kernels take their registers as L: Lanes8 or Lanes16 (common.h). With AVX-512
+// the column blocks of 16 and 32 columns run in Lanes16, the 8-column tail in Lanes8.
 
-#if defined(__AVX512F__)
-struct Lanes16 {
-  using R = __m512;
-  static constexpr int kWidth = 16;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R broadcast(const float* p) { return _mm512_set1_ps(*p); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-};
-#endif
-
-// acc[i][v] = sum_r A(i, r) * B[r][w v : w v + w] (w = L::kWidth) for MR rows and NV vectors
+// acc[i][v] = sum_r A(i, r) * B[r][w v : w v + w] (w = L::kLanes) for MR rows and NV vectors
 // of columns, then stored as described above.
 template <int MR, int NV, typename L, typename TB>
 inline void kernel(int64_t kd, const float* a, int64_t ars, int64_t acs, const TB* b, int64_t ldb, float* c,
                    int64_t ldc, float alpha, const float* row_scale, float beta) {
-  constexpr int W = L::kWidth;
+  constexpr int W = L::kLanes;
   typename L::R acc[MR][NV];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)

@@ -82,29 +82,11 @@ inline void block_generic(const TokenIn& t, const float* src, int64_t ss, float*
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define GDR_SIMD_BLOCK 1
 // The vector registers of the block kernel below: 16 floats (AVX-512) or 8 (AVX2 + FMA).
-struct Vec {
 #if defined(__AVX512F__)
-  using R = __m512;
-  static constexpr int kLanes = 16;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }   // a b + c
-  static R fnmadd(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+using Vec = Lanes16;
 #else
-  using R = __m256;
-  static constexpr int kLanes = 8;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R fnmadd(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+using Vec = Lanes8;
 #endif
-};
 
 // Prefetch the cache lines of `n` floats from `p` (64-byte lines): for writing (`write`) or
 // into L2 for reading soon.

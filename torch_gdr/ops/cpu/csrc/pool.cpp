@@ -186,8 +186,22 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
         const P* next_item = nullptr;  // the head this thread runs next (contiguous schedule)
         if (vector && i + 1 < items && p.len[(i + 1) / HV] > 0 && start_of((i + 1) / HV) >= 0)
           next_item = state_at<P>(pv, start_of((i + 1) / HV), 0, (i + 1) % HV, 0);
+        // a key-first row in one piece whose block rows are under two cache lines (2-byte and
+        // fp8 pools on AVX2, fp8 on AVX-512): each block's pass 2 asks for its share of the
+        // next item's row, in address order, a whole item ahead (the thread's first item asks
+        // for its own row at once); wider block rows keep the next block's prefetch, which
+        // measured faster there (bench/RESULTS.md)
+        constexpr bool narrow_rows = kB * static_cast<int64_t>(sizeof(P)) < 128;
+        const bool rows_contiguous = vector && narrow_rows && pv.s_v == 1 && pv.s_k == V;
+#if defined(GDR_SIMD_BLOCK)
+        thread_local int64_t last_item = -2;
+        if (rows_contiguous && start && !stage_start && last_item != i - 1)
+          prefetch_bytes(start, K * V * static_cast<int64_t>(sizeof(P)));
+        last_item = i;
+#endif
         (void)next_item;
         (void)pairs;
+        (void)rows_contiguous;
         for (int64_t j0 = 0; j0 < V; j0 += kB) {
           const int64_t w = std::min(kB, V - j0);
           if (stage_start) load_block(start + j0 * pv.s_v, pv.s_k, pv.s_v, stage, kB, K, w);
@@ -223,8 +237,13 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
             const P* next = nullptr;
             int64_t nss = pv.s_k;
             if (j == len - 1) {
-              if (j0 + kB < V) next = start && !stage_start ? start + j0 + kB : nullptr;
-              else next = next_item;
+              if (rows_contiguous && next_item) {
+                next = next_item + j0 * K, nss = w;  // this block's share of the next row, in address order
+              } else if (j0 + kB < V) {
+                next = start && !stage_start ? start + j0 + kB : nullptr;
+              } else {
+                next = next_item;
+              }
             }
             step_block_half(tb, hsrc, pv.s_k, fsrc, fss, fdst, t.loc.stride, hdst, pv.s_k, K, w, block_scratch, out,
                             next, nss, pairs);

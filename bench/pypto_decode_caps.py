@@ -59,14 +59,15 @@ DEFAULT_COPY_VARIANTS: tuple[str, ...] = ("task_8heads_row", "task_2heads_row", 
 
 
 def task_timing(report: str) -> dict[str, Optional[float]]:
-    """From the ``_simulate.swim.json`` beside a cost-model report: the mean task time
-    (``execEnd - execStart``), the mean gap between one task's end and the next task's start
-    on the same core (the scheduler's cost per task), the tasks of the busiest core, and
-    the last task's end."""
+    """From the ``_simulate.swim.json`` beside a cost-model report: the tasks run on cube
+    (AIC) and vector (AIV) cores, the mean task time (``execEnd - execStart``), the mean,
+    median and least gap between one task's end and the next task's start on the same core
+    (the scheduler's cost per task, with any wait for its AICPU), the tasks of the busiest
+    core, and the last task's end."""
     swim = Path(report).parent / "_simulate.swim.json"
     if not swim.exists():
         return dict(cube_core_tasks=None, vector_core_tasks=None, task_cycles=None, gap_cycles=None,
-                    max_tasks_per_core=None, last_task_end=None)
+                    gap_median_cycles=None, gap_min_cycles=None, max_tasks_per_core=None, last_task_end=None)
     raw = json.loads(swim.read_text())
     cores = [sorted(c["tasks"], key=lambda t: t["execStart"]) for c in raw if c["tasks"]]
     kinds = {kind: sum(len(c["tasks"]) for c in raw if c["coreType"] == kind) for kind in ("AIC", "AIV")}
@@ -75,6 +76,8 @@ def task_timing(report: str) -> dict[str, Optional[float]]:
     return dict(cube_core_tasks=kinds["AIC"], vector_core_tasks=kinds["AIV"],
                 task_cycles=round(sum(spans) / len(spans)) if spans else None,
                 gap_cycles=round(sum(gaps) / len(gaps)) if gaps else None,
+                gap_median_cycles=sorted(gaps)[len(gaps) // 2] if gaps else None,
+                gap_min_cycles=min(gaps, default=None),
                 max_tasks_per_core=max((len(t) for t in cores), default=None),
                 last_task_end=max((t["execEnd"] for tasks in cores for t in tasks), default=None))
 
@@ -252,7 +255,8 @@ def format_caps(r: dict[str, Any]) -> str:
     for name, m in r["kernels"].items():
         parts.append(f"{name} " + (f"failed ({m['error'][:200]})" if m["cycles"] is None else
                                    f"{m['cycles']:,} cycles, {m['tasks']} tasks (AIC {m['cube_core_tasks']}, AIV {m['vector_core_tasks']}; task {m['task_cycles']}, gap "
-                                   f"{m['gap_cycles']}, {m['max_tasks_per_core']} a core at most), "
+                                   f"mean {m['gap_cycles']} median {m['gap_median_cycles']} least "
+                                   f"{m['gap_min_cycles']}, {m['max_tasks_per_core']} a core at most), "
                                    f"x floor {m['ratio_to_copy']}"))
     if r["memory_bound_cycles"] is not None:
         parts.append(f"floor {r['memory_bound_cycles']:,} ({r['memory_bound_variant']}); copies " + ", ".join(

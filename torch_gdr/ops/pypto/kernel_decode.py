@@ -240,8 +240,10 @@ def build_decode_kernel(
             the body's inputs, expanded to ``[K, V]``; through the pool dtype and back for
             a 2-byte pool), multiplied by ``exp(g)`` as a row read from the pool is; the
             state after each token is not stored (a 2-byte pool's store cast is still
-            taken), only ``o`` is written. ``read_rows``, ``write_rows``, ``pool`` and
-            ``pool_out`` are taken and not read. Plain kernels only (no
+            taken, and one ``[1, V]`` row of each cast block written to ``pool_out``, at
+            row ``(n * HV + h) * K / 64 + block``, so that pypto keeps the cast), only
+            ``o`` is written. ``read_rows``, ``write_rows`` and ``pool`` are taken and not
+            read. Plain kernels only (no
             ``gate_in_kernel`` or ``beta_sigmoid_in_kernel``).
 
     Returns:
@@ -388,16 +390,16 @@ def build_decode_kernel(
 
     def on_chip_row(seed: Any, decay: Any) -> list:
         """The bench's stand-in for :func:`decayed_row`: ``seed`` ``[1, V]`` (a row of a
-        computed tile) expanded to ``[K, V]``, through the pool dtype and back, times
-        exp(g) ``[1, V]``, as fp32 blocks ``[state_rows, V]``."""
+        computed tile; rounded to a 2-byte pool's dtype) expanded to each block ``[state_rows,
+        V]`` (where a row would be copied in), cast to fp32 as a 2-byte row is, times exp(g)
+        ``[1, V]``. Per block one expansion and one multiply (a 64-row block each: a
+        ``[K, V]`` expansion spills in the cost model)."""
+        if pool_dtype != "float32":  # the row in the pool's dtype, as a 2-byte row is copied in
+            pypto.set_vec_tile_shapes(1, 128)
+            seed = pypto.cast(seed, pool_dt)
         pypto.set_vec_tile_shapes(state_rows, 128)
-        blocks = []
-        for _ in range(0, dk, state_rows):
-            block = pypto.expand_clone(seed, [state_rows, dv])
-            if pool_dtype != "float32":
-                block = pypto.cast(block, pool_dt)
-            blocks.append(fp32_of(block, pool_dtype) * decay)
-        return blocks
+        return [fp32_of(pypto.expand_clone(seed, [state_rows, dv]), pool_dtype) * decay
+                for _ in range(0, dk, state_rows)]
 
     def head_token(state: Optional[list], inputs: tuple, o: Any, o_row: Any, o_col: Any) -> list:
         """One token on one value head: writes the output ``[1, V]`` at ``o[o_row, o_col:]``,
@@ -465,17 +467,23 @@ def build_decode_kernel(
                                                                 per_head[h][2])
             state = head_token(state, per_head[h], o, seq, head * dv)
             if _state_on_chip_for_bench:
-                bench_store_cast(state)
+                bench_store_cast(pool_out, state, seq, head)
             elif row_out is not None:
                 store(pool_out, state, (row_out * num_v_heads + head) * dk)
 
-    def bench_store_cast(state: list) -> None:
-        """The bench's stand-in for :func:`store`: a 2-byte pool's cast of each block (its
-        result unused), nothing for fp32."""
+    def bench_store_cast(pool_out: Any, state: list, seq: Any, head: Any) -> None:
+        """The bench's stand-in for :func:`store`: a 2-byte pool's cast of each block, one
+        ``[1, V]`` row of it written to ``pool_out`` row ``(seq * HV + head) * K / state_rows
+        + block`` (256 bytes a block: an unused cast is dropped by pypto, and with it the
+        state's last add); nothing for fp32 (the state after the update feeds o)."""
         if pool_dtype != "float32":
-            pypto.set_vec_tile_shapes(state_rows, 128)
-            for block in state:
-                pypto.cast(block, pool_dt)
+            blocks = dk // state_rows
+            for b, block in enumerate(state):
+                pypto.set_vec_tile_shapes(state_rows, 128)
+                cast = pypto.cast(block, pool_dt)
+                pypto.set_vec_tile_shapes(1, 128)
+                pypto.assemble(pypto.view(cast, [1, dv], [0, 0]), [(seq * num_v_heads + head) * blocks + b, 0],
+                               pool_out)
 
     def sequence_start(read_rows: Any, pool: Any, seq: Any, head: Any, inputs: list) -> list:
         """The first token's decayed start state (-1 rows: zeros, row 0 read and masked)."""
@@ -635,8 +643,8 @@ def build_decode_kernel(
                     inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, None)
                     for j in token_offsets:
                         states = sequence_tokens(states, inputs, o, seq, first_head, j)
-                        for state in states:
-                            bench_store_cast(state)
+                        for h, state in enumerate(states):
+                            bench_store_cast(pool_out, state, seq, first_head + h)
 
         return gdr_decode_state_on_chip_kernel
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel

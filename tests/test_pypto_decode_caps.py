@@ -38,11 +38,13 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert bad == 0, f"{name}: {bad}/{want.numel()} elements out of tolerance, max abs err {err.max():.3g}"
 
 
-@pytest.mark.parametrize("batch, tokens, heads_per_body", [(1, 1, 2), (2, 2, 2)])
-def test_state_on_chip_yardstick_steps_beta_v_rows(batch: int, tokens: int, heads_per_body: int) -> None:
+@pytest.mark.parametrize("batch, tokens, heads_per_body, pool_dtype", [
+    (1, 1, 2, torch.float32), (2, 2, 2, torch.float32), (1, 1, 2, torch.bfloat16)])
+def test_state_on_chip_yardstick_steps_beta_v_rows(batch: int, tokens: int, heads_per_body: int,
+                                                    pool_dtype: torch.dtype) -> None:
     """o of the compute-only yardstick equals the recurrence from ``S0[n, h] = 1 (beta v)^T``
-    (token 0's beta and v of sequence n, head h), one token (one body of two heads) and
-    two tokens a sequence."""
+    (token 0's beta and v of sequence n, head h; rounded to a bf16 pool's dtype, as a row
+    read from it is), one token (one body of two heads) and two tokens a sequence."""
     gen = torch.Generator().manual_seed(5)
     n, s = batch, tokens
     q = torch.randn(n, s, H, DIM, generator=gen)
@@ -53,12 +55,12 @@ def test_state_on_chip_yardstick_steps_beta_v_rows(batch: int, tokens: int, head
     scale = DIM ** -0.5
     kernel = build_decode_kernel(heads_per_body=heads_per_body, num_qk_heads=H, num_v_heads=HV, head_k_dim=DIM,
                                  head_v_dim=DIM, tokens_per_seq=s, use_qk_l2norm=True, scale=scale,
-                                 _state_on_chip_for_bench=True)
+                                 pool_dtype=str(pool_dtype).removeprefix("torch."), _state_on_chip_for_bench=True)
     if s == 1:  # one-token kernels: q, k [T * H, K], v [T * HV, V]
         q_arg, k_arg, v_arg = q.reshape(n * H, DIM), k.reshape(n * H, DIM), v.reshape(n * HV, DIM)
     else:
         q_arg, k_arg, v_arg = q.reshape(n * s, H * DIM), k.reshape(n * s, H * DIM), v.reshape(n * s, HV * DIM)
-    pool = torch.zeros(2 * HV * DIM, DIM)
+    pool = torch.zeros(2 * HV * DIM, DIM, dtype=pool_dtype)
     o = torch.zeros(n * s, HV * DIM)
     args = [q_arg.contiguous(), k_arg.contiguous(), v_arg.contiguous(), g.reshape(n * s, HV).contiguous(),
             beta.reshape(n * s, HV).contiguous(), torch.zeros(n, 1, dtype=torch.int32),
@@ -66,7 +68,7 @@ def test_state_on_chip_yardstick_steps_beta_v_rows(batch: int, tokens: int, head
             pool, o, pool.clone()]
     interpreter.run_kernel(kernel, args, [9])
 
-    start = (beta[:, 0, :, None] * v[:, 0]).double()  # [N, HV, V]
+    start = (beta[:, 0, :, None] * v[:, 0]).to(pool_dtype).double()  # [N, HV, V]
     s0 = start[:, :, None, :].expand(n, HV, DIM, DIM).contiguous()
     want, _ = naive_recurrent_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                                scale=scale, initial_state=s0, use_qk_l2norm_in_kernel=True)

@@ -236,15 +236,15 @@ def build_decode_kernel(
             so the host stores every token for S above :data:`MAX_BRANCHED_TOKENS`.
         _state_on_chip_for_bench: a yardstick for ``bench/pypto_decode_caps.py``, never for
             the op: the kernel's vector work with no pool traffic. Each (sequence, value head)
-            starts from a state made on chip, every row ``beta v`` (its ``[1, V]`` row of
-            the body's inputs, expanded to ``[K, V]``; through the pool dtype and back for
-            a 2-byte pool), multiplied by ``exp(g)`` as a row read from the pool is; the
-            state after each token is not stored (a 2-byte pool's store cast is still
-            taken, and one ``[1, V]`` row of each cast block written to ``pool_out``, at
-            row ``(n * HV + h) * K / 64 + block``, so that pypto keeps the cast), only
-            ``o`` is written. ``read_rows``, ``write_rows`` and ``pool`` are taken and not
-            read. Plain kernels only (no
-            ``gate_in_kernel`` or ``beta_sigmoid_in_kernel``).
+            starts from a state made on chip, every row ``beta v`` of its first token (the
+            body's computed ``[1, V]`` row; rounded to a 2-byte pool's dtype), expanded to
+            each 64-row block (cast to fp32 for a 2-byte pool) and multiplied by ``exp(g)``
+            as a row read from the pool is; the state after each token is not stored (a
+            2-byte pool's store cast is still taken, and one ``[1, V]`` row of each cast
+            block written to ``pool_out`` at row ``(n * HV + h) * K / 64 + block``, so that
+            pypto keeps the cast), only ``o`` is written. ``read_rows``, ``write_rows`` and
+            ``pool`` are taken and not read. Plain kernels only (no ``gate_in_kernel`` or
+            ``beta_sigmoid_in_kernel``).
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.

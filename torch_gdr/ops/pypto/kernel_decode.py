@@ -207,6 +207,7 @@ def build_decode_kernel(
     beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     store_every_token: bool = False,
+    _state_on_chip_for_bench: bool = False,
 ) -> Any:
     """Build (trace lazily, on first call) the decode-step kernel for one configuration.
 
@@ -233,6 +234,17 @@ def build_decode_kernel(
             stored (a branch on the row). pypto 0.2.0 compiles a loop body once per
             combination of its branches (2^S paths: S = 6 takes minutes in the interpreter),
             so the host stores every token for S above :data:`MAX_BRANCHED_TOKENS`.
+        _state_on_chip_for_bench: a yardstick for ``bench/pypto_decode_caps.py``, never for
+            the op: the kernel's vector work with no pool traffic. Each (sequence, value head)
+            starts from a state made on chip, every row ``beta v`` of its first token (the
+            body's computed ``[1, V]`` row; rounded to a 2-byte pool's dtype), expanded to
+            each 64-row block (cast to fp32 for a 2-byte pool) and multiplied by ``exp(g)``
+            as a row read from the pool is; the state after each token is not stored (a
+            2-byte pool's store cast is still taken, and one ``[1, V]`` row of each cast
+            block written to ``pool_out`` at row ``(n * HV + h) * K / 64 + block``, so that
+            pypto keeps the cast), only ``o`` is written. ``read_rows``, ``write_rows`` and
+            ``pool`` are taken and not read. Plain kernels only (no ``gate_in_kernel`` or
+            ``beta_sigmoid_in_kernel``).
 
     Returns:
         A ``pypto.frontend.jit`` kernel taking the arguments in this module's docstring.
@@ -242,6 +254,8 @@ def build_decode_kernel(
                            input_dtype=input_dtype, pool_dtype=pool_dtype)
     if allow_neg_eigval and not beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: requires beta_sigmoid_in_kernel=True, got beta_sigmoid_in_kernel=False")
+    if _state_on_chip_for_bench and (gate_in_kernel or beta_sigmoid_in_kernel):
+        raise ValueError("_state_on_chip_for_bench: plain kernels only (no in-kernel activations)")
     pypto = import_pypto()
     fp32 = pypto.DT_FP32
     in_dt, pool_dt = _pypto_dtype(input_dtype), _pypto_dtype(pool_dtype)
@@ -374,6 +388,19 @@ def build_decode_kernel(
         pypto.set_vec_tile_shapes(state_rows, 128)
         return [pypto.view(row, [state_rows, dv], [r, 0]) for r in range(0, dk, state_rows)]
 
+    def on_chip_row(seed: Any, decay: Any) -> list:
+        """The bench's stand-in for :func:`decayed_row`: ``seed`` ``[1, V]`` (a row of a
+        computed tile; rounded to a 2-byte pool's dtype) expanded to each block ``[state_rows,
+        V]`` (where a row would be copied in), cast to fp32 as a 2-byte row is, times exp(g)
+        ``[1, V]``. Per block one expansion and one multiply (a 64-row block each: a
+        ``[K, V]`` expansion spills in the cost model)."""
+        if pool_dtype != "float32":  # the row in the pool's dtype, as a 2-byte row is copied in
+            pypto.set_vec_tile_shapes(1, 128)
+            seed = pypto.cast(seed, pool_dt)
+        pypto.set_vec_tile_shapes(state_rows, 128)
+        return [fp32_of(pypto.expand_clone(seed, [state_rows, dv]), pool_dtype) * decay
+                for _ in range(0, dk, state_rows)]
+
     def head_token(state: Optional[list], inputs: tuple, o: Any, o_row: Any, o_col: Any) -> list:
         """One token on one value head: writes the output ``[1, V]`` at ``o[o_row, o_col:]``,
         returns the state after it (fp32 blocks). ``state``: the state before it already
@@ -433,10 +460,30 @@ def build_decode_kernel(
         per_head = one_token_inputs(q, k, v, g, beta, seq, first_head, gates, zero_state=row_in is None)[0]
         for h in range(heads):
             head = first_head + h
-            state = None if row_in is None else decayed_row(pool, (row_in * num_v_heads + head) * dk, per_head[h][2])
+            if _state_on_chip_for_bench:
+                state = on_chip_row(per_head[h][4], per_head[h][2])
+            else:
+                state = None if row_in is None else decayed_row(pool, (row_in * num_v_heads + head) * dk,
+                                                                per_head[h][2])
             state = head_token(state, per_head[h], o, seq, head * dv)
-            if row_out is not None:
+            if _state_on_chip_for_bench:
+                bench_store_cast(pool_out, state, seq, head)
+            elif row_out is not None:
                 store(pool_out, state, (row_out * num_v_heads + head) * dk)
+
+    def bench_store_cast(pool_out: Any, state: list, seq: Any, head: Any) -> None:
+        """The bench's stand-in for :func:`store`: a 2-byte pool's cast of each block, one
+        ``[1, V]`` row of it written to ``pool_out`` row ``(seq * HV + head) * K / state_rows
+        + block`` (256 bytes a block: an unused cast is dropped by pypto, and with it the
+        state's last add); nothing for fp32 (the state after the update feeds o)."""
+        if pool_dtype != "float32":
+            blocks = dk // state_rows
+            for b, block in enumerate(state):
+                pypto.set_vec_tile_shapes(state_rows, 128)
+                cast = pypto.cast(block, pool_dt)
+                pypto.set_vec_tile_shapes(1, 128)
+                pypto.assemble(pypto.view(cast, [1, dv], [0, 0]), [(seq * num_v_heads + head) * blocks + b, 0],
+                               pool_out)
 
     def sequence_start(read_rows: Any, pool: Any, seq: Any, head: Any, inputs: list) -> list:
         """The first token's decayed start state (-1 rows: zeros, row 0 read and masked)."""
@@ -463,6 +510,8 @@ def build_decode_kernel(
         per_head = [None if gates is None else tuple(pypto.view(x, [1, 1], [0, h]) for x in gates)
                     for h in range(heads)]  # the body's gate terms are [1, heads]
         inputs = [sequence_inputs(q, k, v, g, beta, seq, first_head + h, per_head[h]) for h in range(heads)]
+        if _state_on_chip_for_bench:
+            return inputs, [on_chip_row(inputs[h][0][0][4], inputs[h][0][0][2]) for h in range(heads)]
         return inputs, [sequence_start(read_rows, pool, seq, first_head + h, inputs[h]) for h in range(heads)]
 
     def sequence_tokens(states: list, inputs: list, o: Any, seq: Any, first_head: Any, j: int) -> list:
@@ -568,4 +617,34 @@ def build_decode_kernel(
                     elif row_out >= 0:  # one branch a token for all the body's heads
                         sequence_stores(pool_out, states, row_out, first_head)
 
+    if _state_on_chip_for_bench:
+        # The bench's yardstick (no pool traffic): the plain kernel's signature, its body
+        # without the branches on the rows and without the stores.
+        @jit
+        def gdr_decode_state_on_chip_kernel(
+            q: pypto.Tensor(q_shape, in_dt),
+            k: pypto.Tensor(q_shape, in_dt),
+            v: pypto.Tensor(v_shape, in_dt),
+            g: pypto.Tensor([num_tokens, num_v_heads], fp32),
+            beta: pypto.Tensor([num_tokens, num_v_heads], fp32),
+            read_rows: pypto.Tensor([pypto.DYNAMIC, 1], pypto.DT_INT32),
+            write_rows: pypto.Tensor([num_tokens], pypto.DT_INT32),
+            bodies: pypto.Tensor([1], pypto.DT_INT32),
+            pool: pypto.Tensor([pool_rows, dv], pool_dt),
+            o: pypto.Tensor([num_tokens, num_v_heads * dv], fp32),
+            pool_out: pypto.Tensor([pool_rows, dv], pool_dt),
+        ):
+            for body in pypto.loop(bodies[0], name="LOOP_SEQ_HEAD", idx_name="body", parallel=True):
+                seq = body // bodies_per_seq
+                first_head = (body % bodies_per_seq) * heads
+                if one_token:
+                    one_token_body(q, k, v, g, beta, pool, o, pool_out, seq, first_head, 0, None)
+                else:
+                    inputs, states = sequence_states(q, k, v, g, beta, read_rows, pool, seq, first_head, None)
+                    for j in token_offsets:
+                        states = sequence_tokens(states, inputs, o, seq, first_head, j)
+                        for h, state in enumerate(states):
+                            bench_store_cast(pool_out, state, seq, first_head + h)
+
+        return gdr_decode_state_on_chip_kernel
     return gdr_decode_gated_kernel if gate_in_kernel else gdr_decode_kernel

@@ -187,11 +187,12 @@ void pool_typed(const Problem& p, const T* q, const T* k, const T* v, const floa
         if (vector && i + 1 < items && p.len[(i + 1) / HV] > 0 && start_of((i + 1) / HV) >= 0)
           next_item = state_at<P>(pv, start_of((i + 1) / HV), 0, (i + 1) % HV, 0);
         // a key-first row in one piece whose block rows are under two cache lines (2-byte and
-        // fp8 pools on AVX2, fp8 on AVX-512): each block's pass 2 asks for its share of the
-        // next item's row, in address order, a whole item ahead (the thread's first item asks
-        // for its own row at once); wider block rows keep the next block's prefetch, which
-        // measured faster there (bench/RESULTS.md)
-        constexpr bool narrow_rows = kB * static_cast<int64_t>(sizeof(P)) < 128;
+        // fp8 pools on AVX2, fp8 on AVX-512), or of bfloat16: each block's pass 2 asks for its
+        // share of the next item's row, in address order, a whole item ahead (the thread's
+        // first item asks for its own row at once). float32 and, on AVX-512, float16 rows keep
+        // the next block's prefetch, which measured faster for them (bench/RESULTS.md)
+        constexpr bool narrow_rows =
+            kB * static_cast<int64_t>(sizeof(P)) < 128 || std::is_same_v<P, c10::BFloat16>;
         const bool rows_contiguous = vector && narrow_rows && pv.s_v == 1 && pv.s_k == V;
 #if defined(GDR_SIMD_BLOCK)
         thread_local int64_t last_item = -2;

@@ -246,6 +246,47 @@ def test_signature_tells_apart_what_the_checks_read() -> None:
     assert signature(t, [0, 1]) is None and signature(t, object()) is None
 
 
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
+def _key_cases() -> list[tuple]:
+    """Argument lists of a decode key: pairs that the checks must tell apart, and equal ones."""
+    t = torch.zeros(2, 3)
+    return [(t, None, 1.0, True), (torch.zeros(2, 3), None, 1.0, True), (torch.zeros(3, 2), None, 1.0, True),
+            (t.t().contiguous().t(), None, 1.0, True), (torch.zeros(2, 3, dtype=torch.float64), None, 1.0, True),
+            (torch.zeros(2, 3, requires_grad=True), None, 1.0, True), (torch.zeros(2, 3, device="meta"), None, 1.0, True),
+            (torch.zeros(6)[:6].view(2, 3), None, 1.0, True), (torch.zeros(2, 4)[:, :3], None, 1.0, True),
+            (torch.zeros(1, 2, 3), None, 1.0, True), (t, t, 1.0, True), (t, None, 1, True), (t, None, 1.0, 1),
+            (t, None, 2.0, True), (t, None, 1.0, False), (t, None, "cpu", True), (t, None, "cpu ", True),
+            (t, "cpu", None, True), (t, None, None, True), (t, 0, 1.0, True), (t, -1, 1.0, True), (t,)]
+
+
+def test_native_signature_tells_apart_what_the_python_key_does() -> None:
+    """The extension's key (C++, bytes) is equal for two argument lists exactly where the
+    Python key is, and declines (None) what it does not cover, which the Python key then
+    takes; once the extension is loaded, :func:`signature` gives the native key."""
+    from torch_gdr import _decode_memo
+    from torch_gdr.ops.cpu import _build
+
+    ext = _build.load()
+    if ext is None:
+        pytest.skip(f"the fused CPU kernels are unavailable: {_build.unavailable_reason()}")
+    cases = _key_cases()
+    python_keys = [_decode_memo._python_signature(case) for case in cases]
+    native_keys = [ext.decode_signature(*case) for case in cases]
+    assert all(isinstance(key, bytes) for key in native_keys)
+    for i, j in ((i, j) for i in range(len(cases)) for j in range(len(cases))):
+        assert (native_keys[i] == native_keys[j]) == (python_keys[i] == python_keys[j]), (cases[i], cases[j])
+    with torch.no_grad():
+        assert ext.decode_signature(*cases[0]) != native_keys[0]
+    sub = torch.zeros(2, 3).as_subclass(_TensorSubclass)
+    for declined in ((sub,), (torch.zeros(2, 3), [0, 1]), (2 ** 70,), (torch.zeros(2, 3).to_sparse(),)):
+        assert ext.decode_signature(*declined) is None, declined
+    assert signature(*cases[0]) == native_keys[0]
+    assert signature(sub, None) == _decode_memo._python_signature((sub, None))
+
+
 def test_signature_memo_is_bounded_and_thread_safe() -> None:
     memo: SignatureMemo[int] = SignatureMemo(limit=64)
     errors = []

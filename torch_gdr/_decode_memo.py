@@ -23,7 +23,7 @@ for the same *signature*, and check the index values with a conservative quick t
 from __future__ import annotations
 
 import threading
-from typing import Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 import torch
 
@@ -33,10 +33,37 @@ Record = TypeVar("Record")
 _SCALARS = (bool, int, float, str)
 
 
-def signature(*args: object) -> Optional[tuple]:
+#: The fused CPU extension's ``decode_signature`` (the same key as bytes, computed in C++),
+#: set by :func:`use_native_signature` once the extension is loaded; None before.
+_native_signature: Optional[Callable[..., Optional[bytes]]] = None
+
+
+def use_native_signature(native: Optional[Callable[..., Optional[bytes]]]) -> None:
+    """Let :func:`signature` take ``native(*args)`` where it gives a key (plain tensors and
+    scalars): the same information as the Python key, at a few C++ reads a tensor instead
+    of several Python objects (after a decode step has swept the caches, the Python key of a
+    public pool call took ~15 us; bench/RESULTS.md). None: the Python key only."""
+    global _native_signature
+    _native_signature = native
+
+
+def signature(*args: object) -> Optional[tuple | bytes]:
     """The key of a call's metadata: per tensor ``(type, shape, strides, dtype, device,
     requires_grad)``, per scalar ``(type, value)``, None as None, and grad mode last; None
-    (no key) where an argument is anything else."""
+    (no key) where an argument is anything else. Computed in C++ (as bytes) where
+    :func:`use_native_signature` has set the extension's function and it takes the
+    arguments; a native key never equals a Python one, so a memo filled with one kind only
+    misses the other."""
+    native = _native_signature
+    if native is not None:
+        key = native(*args)
+        if key is not None:
+            return key
+    return _python_signature(args)
+
+
+def _python_signature(args: tuple) -> Optional[tuple]:
+    """:func:`signature` in Python."""
     key = []
     for arg in args:
         if isinstance(arg, Tensor):

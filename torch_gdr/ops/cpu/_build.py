@@ -55,6 +55,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from torch_gdr import _decode_memo
 from torch_gdr._paths import cache_dir
 from torch_gdr.ops.cpu import _variants
 
@@ -288,6 +289,8 @@ def load() -> Optional[ModuleType]:
                         _state.origin = f"prebuilt, the {narrower!r} variant ({chosen!r}: {failure})"
                         break
         _state.tried = True
+        if _state.module is not None:  # the decode memo's key in C++ (an older module may lack it)
+            _decode_memo.use_native_signature(getattr(_state.module, "decode_signature", None))
         return _state.module
 
 

@@ -126,6 +126,39 @@ def test_bad_index_values_after_a_good_call_of_the_same_signature(backend: str, 
     assert torch.equal(pool, before)  # refused before anything was written
 
 
+#: name -> (ssm_state_indices [4] of four one-token sequences, message regex); the good calls
+#: before each have rows [0, 1, 2, 3] and [7, -1, 5, 4] (the extension's one-row step).
+ONE_ROW_ERRORS = {
+    "past_pool": ([0, 1, SLOTS, 3], rf"ssm_state_indices: expected pool rows in \[-1, slots\) = \[-1, {SLOTS}\), "
+                                    rf"got {SLOTS} at 2$"),
+    "below_minus1": ([0, -2, 2, 3], r"got -2 at 1$"),
+    "written_twice": ([6, 1, 2, 6], r"row 6 is written twice"),
+    "written_twice_apart": ([0, 5, 7, 5], r"row 5 is written twice"),
+}
+
+
+@pytest.mark.parametrize("layout", ["int32", "int64", "strided"])
+@pytest.mark.parametrize("name", sorted(ONE_ROW_ERRORS))
+def test_bad_one_row_values_after_a_good_call(name: str, layout: str) -> None:
+    """One token a sequence with ``[N]`` rows (vLLM's decode): the values are checked in the
+    extension's step; a bad one gets the full checks' message and leaves the pool as it was."""
+    rows, pattern = ONE_ROW_ERRORS[name]
+
+    def as_rows(values: list) -> torch.Tensor:
+        if layout == "strided":  # every other element of an int64 tensor
+            return torch.tensor([x for value in values for x in (value, -7)])[::2]
+        return torch.tensor(values, dtype=torch.int32 if layout == "int32" else torch.int64)
+
+    x = _inputs(4, 1)
+    pool = _pool6()
+    _step(x, pool, as_rows([0, 1, 2, 3]))
+    _step(x, pool, as_rows([7, -1, 5, 4]))  # from the memo
+    before = pool.clone()
+    with pytest.raises(ValueError, match=pattern):
+        _step(x, pool, as_rows(rows))
+    assert torch.equal(pool, before)  # refused before anything was written
+
+
 def test_start_rows_read_by_another_sequence_after_a_good_call() -> None:
     x = _inputs(2, 1)
     pool = _pool6()
@@ -160,10 +193,11 @@ def _reference_step(x: dict, pool64: torch.Tensor, table: list, accepted=None) -
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("token_major", [False, True])
-def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool) -> None:
+@pytest.mark.parametrize("token_major,rows_layout", [(False, "int32"), (False, "column"), (True, "int32")])
+def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool, rows_layout: str) -> None:
     """A serving loop of one signature: every call after the first skips the metadata
-    checks (counted) and still matches the float64 recurrence, pool rows included."""
+    checks (counted) and still matches the float64 recurrence, pool rows included. "column":
+    the rows are column 0 of an int64 ``[N, 2]`` table whose column 1 holds other valid rows."""
     from torch_gdr.ops.cpu import pool as cpu_pool
 
     full_checks = []
@@ -180,7 +214,12 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool)
             x = {f: t[0] for f, t in x.items()}
             table = table[:1]
         expected = _reference_step({f: (t[None] if token_major else t) for f, t in x.items()}, pool64, table)
-        o = _step(x, pool, torch.tensor(table, dtype=torch.int32))
+        rows = torch.tensor(table, dtype=torch.int32)
+        if rows_layout == "column":
+            others = [row for row in range(SLOTS) if row not in table][:len(table)]
+            rows = torch.tensor(list(zip(table, others)))[:, 0]
+            assert rows.stride() == (2,)
+        o = _step(x, pool, rows)
         assert o.shape == x["v"].shape
         torch.testing.assert_close(o.reshape(expected.shape).double(), expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pool.double(), pool64, rtol=1e-4, atol=1e-5)

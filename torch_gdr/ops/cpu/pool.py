@@ -134,6 +134,9 @@ class _CheckedShape(NamedTuple):
     seq_len: int
     slots: int
     as_given: bool  # q, k, v, g, beta go to the kernel as they are (no cast, no copy)
+    #: as_given, [B, 1, ...] inputs, [N] rows, no num_accepted_tokens, initial_state_indices
+    #: or gate in the kernel: the extension's ``pool_step_rows`` checks the rows and runs
+    one_row: bool
 
 
 #: Decode signatures that passed :func:`torch_gdr._pool.check_pool_args` here.
@@ -159,6 +162,10 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
     """The step of a call whose signature passed the checks before: only the index values
     are checked (:func:`quick_start_rows`); None where they might break a rule (the caller
     then runs every check, for the error)."""
+    if shape.one_row:
+        return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool,
+                                  ssm_state_indices, use_qk_l2norm_in_kernel, state_v_first, None, None,
+                                  *_gating_args(gating)[2:])
     values = ssm_state_indices.tolist()
     starts = quick_start_rows(values, None if num_accepted_tokens is None else num_accepted_tokens.tolist(),
                               None if initial_state_indices is None else initial_state_indices.tolist(),
@@ -200,6 +207,8 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     if shape is None or ext is None or torch.compiler.is_compiling():
         return None
     gate, beta_sigmoid, neg_eigval = gating.use_gate_in_kernel, gating.use_beta_sigmoid_in_kernel, gating.allow_neg_eigval
+    if shape.one_row:
+        return _rows_step(ext, l2norm, v_first, beta_sigmoid, 2.0 if beta_sigmoid and neg_eigval else 1.0)
 
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
@@ -207,6 +216,23 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         return _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
                              initial_state_indices, None if scale is None else float(scale), l2norm, v_first,
                              Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval))
+
+    return step
+
+
+def _rows_step(ext, l2norm: bool, v_first: bool, beta_sigmoid: bool,
+               beta_scale: float) -> Callable[..., Optional[Tensor]]:
+    """:func:`prepared_pool_step`'s step where every sequence has one token and its ``[N]``
+    row (no ``num_accepted_tokens``, no ``initial_state_indices``, no gate in the kernel)
+    and q, k, v, g, beta go to the kernel as they are: one call into the extension, which
+    checks the row values (in range, none written twice) and runs the kernel, or returns None
+    and runs nothing where a value might break a rule."""
+
+    def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+             ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> Optional[Tensor]:
+        return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else float(scale), pool,
+                                  ssm_state_indices, l2norm, v_first, None, None, beta_sigmoid, beta_scale)
 
     return step
 
@@ -267,8 +293,11 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                                parents, not disable_state_update, intermediate_states_buffer, buffer_rows)
     if key is not None:
         as_given = all(view is given for view, given in zip((qb, kb, vb, gb, bb), batched))
+        one_row = (as_given and not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
+                   and plan.seq_lens[0] == 1 and num_accepted_tokens is None
+                   and initial_state_indices is None and not gating.use_gate_in_kernel)
         _CHECKED.put(key, _CheckedShape(plan.token_major, plan.num_seqs, width, plan.seq_lens[0], plan.slots,
-                                        as_given))
+                                        as_given, one_row))
     return o.reshape(v.shape)
 
 

@@ -4,6 +4,9 @@
 // bounds.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <vector>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -282,6 +285,18 @@ const int64_t* checked_rows(const Tensor& t, const char* name, int64_t numel, in
   return x;
 }
 
+// Runs gdr::pool_recurrent_fwd without the GIL -> o [B, T, HV, V] in v's dtype.
+Tensor run_pool_step(const gdr::Problem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                     const Tensor& beta, const gdr::PoolArgs& args) {
+  Tensor o = at::empty({q.size(0), q.size(1), p.HV, p.V}, v.options().memory_format(at::MemoryFormat::Contiguous));
+  {
+    pybind11::gil_scoped_release no_gil;
+    gdr::pool_recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
+                            beta.data_ptr<float>(), args, o.data_ptr());
+  }
+  return o;
+}
+
 // The recurrence over a state pool, in place -> o (gdr_cpu.h: PoolArgs). q, k, v [B, T, *, *]
 // of one dtype and g, beta float32 [B, T, HV], any strides where B * T flatten into one dim
 // and the last dim of q, k, v is contiguous. pool [slots, HV, K, V] ([slots, HV, V, K] with
@@ -332,13 +347,51 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
     TORCH_CHECK(buffer_rows.has_value() && buffer_rows->defined(), "buffer_rows: required with a buffer");
     args.buffer_rows = checked_rows(*buffer_rows, "buffer_rows", num, 0, buffer->size(0));
   }
-  Tensor o = at::empty({q.size(0), q.size(1), p.HV, p.V}, v.options().memory_format(at::MemoryFormat::Contiguous));
-  {
-    pybind11::gil_scoped_release no_gil;
-    gdr::pool_recurrent_fwd(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr<float>(),
-                            beta.data_ptr<float>(), args, o.data_ptr());
+  return run_pool_step(p, q, k, v, g, beta, args);
+}
+
+// A plain decode step over [N] rows (one token a sequence, written to its row, read from it)
+// whose call's metadata passed the pool rules before (torch_gdr/ops/cpu/pool.py's memo): the
+// value rules checked here, then the kernel -> o, or None where a value might break a rule (a
+// row outside [-1, slots), a row written twice), and nothing is run (the caller then runs
+// every check, for the error). rows: int32 or int64 [N], any stride; the rest as
+// pool_recurrent_fwd. One call from Python: no int64 copy of the rows, no list of them.
+py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                          double scale, const Tensor& pool, const Tensor& rows, bool l2norm, bool v_first,
+                          const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
+                          double beta_scale) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 1 && q.dim() == 4 && rows.size(0) == q.size(0),
+              "rows: expected a CPU tensor [N] with N = ", q.dim() == 4 ? q.size(0) : -1, ", got ", rows.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong, "rows: expected int32 or int64, got ",
+              rows.scalar_type());
+  const int64_t num = rows.size(0), slots = pool.size(0), step = rows.stride(0);
+  std::vector<int64_t> values(static_cast<size_t>(num));
+  if (rows.scalar_type() == at::kInt) {
+    const int32_t* x = rows.data_ptr<int32_t>();
+    for (int64_t n = 0; n < num; ++n) values[n] = x[n * step];
+  } else {
+    const int64_t* x = rows.data_ptr<int64_t>();
+    for (int64_t n = 0; n < num; ++n) values[n] = x[n * step];
   }
-  return o;
+  std::vector<int64_t> written;
+  written.reserve(values.size());
+  for (const int64_t row : values) {
+    if (row < -1 || row >= slots) return py::none();
+    if (row >= 0) written.push_back(row);
+  }
+  std::sort(written.begin(), written.end());
+  if (std::adjacent_find(written.begin(), written.end()) != written.end()) return py::none();
+  gdr::Problem p = make_problem(q, v, {}, 64, scale, l2norm);
+  TORCH_CHECK(q.size(1) == 1, "q: expected one token a sequence, got ", q.size(1));
+  check_token_inputs(p, q, k, v, g, beta);
+  set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
+  gdr::PoolArgs args;
+  args.pool = state_view(pool, "pool", p, v_first, false);
+  args.indices = values.data();
+  args.width = 1;
+  args.start_rows = values.data();
+  args.write_pool = true;
+  return py::cast(run_pool_step(p, q, k, v, g, beta, args));
 }
 
 // One pair-dot step per lane (tests; gdr::pair_dot_lanes): acc float32 [n], a and b int32 [n]
@@ -427,5 +480,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_bwd", &chunk_bwd);
   m.def("recurrent_fwd", &recurrent_fwd);
   m.def("pool_recurrent_fwd", &pool_recurrent_fwd);
+  m.def("pool_step_rows", &pool_step_rows);
   m.def("decode_signature", &decode_signature);
 }

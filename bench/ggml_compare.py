@@ -19,7 +19,10 @@ compared:
   ``fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)`` with int32 rows as serving
   engines call it), and our per-sequence step (contiguous states, in place), against the
   op reading B contiguous states from a random place of a 512-slot value-first pool (its
-  output, o and the new states, in one buffer of its own).
+  output, o and the new states, in one buffer of its own), and against the op followed by
+  a copy of its new states over the states it read (``ggml_cpy`` in the same graph: the
+  write-back llama.cpp's graph adds after the op; llama.cpp also gathers the states into a
+  buffer of their own first, which is not counted here).
 
 ggml's value head j reads q/k head ``j % H``, ours ``j // (HV / H)``: ggml gets our value
 heads (v, g, beta, the state) permuted so that both compute the same thing; its state is
@@ -53,6 +56,25 @@ DIM, SLOTS = 128, 512
 AGREEMENT = 5e-7
 
 
+def ggml_build_flags(ggml_dir: Path) -> str:
+    """How the ggml under ``ggml_dir`` was configured (its CMakeCache.txt): ``GGML_NATIVE=ON``
+    (``-march=native``), or the instruction sets switched on."""
+    cache = ggml_dir / "build" / "CMakeCache.txt"
+    if not cache.is_file():
+        return "build flags unknown (no build/CMakeCache.txt)"
+    flags = {}
+    for line in cache.read_text().splitlines():
+        name, _, value = line.partition("=")
+        name = name.split(":")[0]
+        if name.startswith("GGML_") and value in ("ON", "OFF"):
+            flags[name] = value
+    if flags.get("GGML_NATIVE") == "ON":
+        return "GGML_NATIVE=ON (-march=native)"
+    isa = ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_AVX_VNNI", "GGML_AVX512", "GGML_AVX512_BF16",
+           "GGML_AMX_BF16")
+    return "GGML_NATIVE=OFF, " + (" ".join(name[5:] for name in isa if flags.get(name) == "ON") or "no SIMD flags")
+
+
 def build_driver(ggml_dir: Path, out_dir: Path) -> ctypes.CDLL:
     """Compile bench/ggml_gdn.c against the ggml build under ``ggml_dir`` and load it."""
     libs = sorted({p.parent for p in (ggml_dir / "build").rglob("libggml*.so")})
@@ -66,7 +88,7 @@ def build_driver(ggml_dir: Path, out_dir: Path) -> ctypes.CDLL:
     driver = ctypes.CDLL(str(lib))
     ptr = ctypes.c_void_p
     driver.gdn_create.restype = ptr
-    driver.gdn_create.argtypes = [ctypes.c_int] * 6 + [ptr] * 7
+    driver.gdn_create.argtypes = [ctypes.c_int] * 6 + [ptr] * 7 + [ctypes.c_int]
     driver.gdn_compute.argtypes = [ptr]
     driver.gdn_set_state.argtypes = [ptr, ptr]
     driver.gdn_destroy.argtypes = [ptr]
@@ -88,7 +110,8 @@ class GgmlOp:
     """One ggml graph over fixed buffers: q, k as ours; v, g, beta, the state with ggml's head
     order; the output buffer of the op."""
 
-    def __init__(self, driver: ctypes.CDLL, threads: int, q, k, v, g, beta, state_vf: torch.Tensor):
+    def __init__(self, driver: ctypes.CDLL, threads: int, q, k, v, g, beta, state_vf: torch.Tensor,
+                 write_back: bool = False):
         self.driver = driver
         batch, seq_len, heads, dim = q.shape
         v_heads = v.shape[2]
@@ -102,7 +125,7 @@ class GgmlOp:
         self.shape = (batch, seq_len, v_heads, dim)
         self.handle = driver.gdn_create(dim, heads, v_heads, seq_len, batch, threads,
                                         *(t.data_ptr() for t in (self.q, self.k, self.v, self.g, self.beta,
-                                                                 self.state, self.out)))
+                                                                 self.state, self.out)), int(write_back))
 
     def set_state(self, state_vf: torch.Tensor) -> None:
         self.state = state_vf
@@ -177,6 +200,13 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
     op()
     go, gs = op.results()
     agree = max(rel(go, o_ref), rel(gs, s_ref), rel(o_pool, o_ref), rel(s_pool, s_ref))
+    # the op with the write-back: its new states must land, exactly, where it read them
+    op_wb = GgmlOp(driver, threads, *x.values(), pool[:batch][:, inv].transpose(-1, -2).contiguous(), write_back=True)
+    op_wb()
+    written = op_wb.state[:, torch.argsort(inv)].transpose(-1, -2)  # our head order, key-first
+    if not torch.equal(written, op_wb.results()[1]):
+        raise SystemExit(f"decode B={batch}: ggml's write-back did not copy the op's new states")
+    agree = max(agree, rel(written, s_ref))
 
     def pool_step():
         rows = torch.randperm(SLOTS, generator=gen)[:batch]
@@ -200,9 +230,15 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
         op.set_state(pool_vf[start:start + batch])
         op()
 
+    def ggml_write_back():
+        start = int(torch.randint(0, SLOTS - batch + 1, (1,), generator=gen))
+        op_wb.set_state(pool_vf[start:start + batch])
+        op_wb()
+
     # a round runs each variant `reps` times (one small step is too short to time alone)
     reps = max(1, 16 // batch)
-    variants = {"public": public, "pool_step": pool_step, "per_sequence": per_sequence, "ggml": ggml}
+    variants = {"public": public, "pool_step": pool_step, "per_sequence": per_sequence, "ggml": ggml,
+                "ggml_write_back": ggml_write_back}
     times = alternate({name: (lambda call=call: [call() for _ in range(reps)]) for name, call in variants.items()},
                       rounds, warmup=2)
     med = {n: statistics.median(t) * 1e6 / reps for n, t in times.items()}
@@ -210,8 +246,11 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
           f"{med['public']:.0f} us), ours per-sequence {med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; "
           f"ggml/ours pool step {ratio(times, 'ggml', 'pool_step'):.2f}x, public call "
           f"{ratio(times, 'ggml', 'public'):.2f}x, per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
-          f" (target B=1 >= 1.0); agreement {agree:.2e}")
+          f" (target B=1 >= 1.0); ggml with the write-back {med['ggml_write_back']:.0f} us: / ours pool step "
+          f"{ratio(times, 'ggml_write_back', 'pool_step'):.2f}x, public call "
+          f"{ratio(times, 'ggml_write_back', 'public'):.2f}x; agreement {agree:.2e}")
     op.close()
+    op_wb.close()
 
 
 def main() -> None:
@@ -226,7 +265,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         driver = build_driver(args.ggml_dir, Path(tmp))
-        print(cpu_name(), f"; ggml {args.ggml_dir} (GGML_NATIVE, -march=native), {args.threads} threads")
+        print(cpu_name(), f"; ggml {args.ggml_dir} ({ggml_build_flags(args.ggml_dir)}), {args.threads} threads")
         if "prefill" in args.parts:
             for heads, v_heads in ((4, 4), (16, 32)):
                 prefill(driver, args.threads, args.rounds, args.seq_len, heads, v_heads)

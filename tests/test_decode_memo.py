@@ -159,6 +159,45 @@ def test_bad_one_row_values_after_a_good_call(name: str, layout: str) -> None:
     assert torch.equal(pool, before)  # refused before anything was written
 
 
+#: name -> (cu_seqlens of four one-token sequences' call, message regex): vLLM's decode call,
+#: [1, N, ...] inputs with offsets; the good calls before each have offsets 0, 1, 2, 3, 4.
+VARLEN_ERRORS = {
+    "two_tokens": ([0, 2, 3, 4, 4], r"ssm_state_indices: 1-D indices \[N\] take at most one token per sequence, but "
+                                    r"sequence 0 has 2"),
+    "empty_then_two": ([0, 0, 1, 2, 4], r"but sequence 3 has 2"),
+    "not_from_zero": ([1, 2, 3, 4, 4], r"cu_seqlens: expected the first offset to be 0, got 1"),
+    "decreasing": ([0, 2, 1, 3, 4], r"cu_seqlens: expected non-decreasing offsets, got 2 followed by 1 at index 1"),
+    "short": ([0, 1, 2, 3, 3], r"cu_seqlens: expected the last offset to equal the number of tokens T = 4, got 3"),
+    "long": ([0, 1, 2, 3, 5], r"got 5"),
+}
+
+
+def _varlen(x: dict) -> dict:
+    """Batched one-token inputs ``[N, 1, ...]`` as one packed row ``[1, N, ...]`` (views)."""
+    return {name: t.transpose(0, 1) for name, t in x.items()}
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("name", sorted(VARLEN_ERRORS))
+def test_bad_offsets_after_good_varlen_calls(name: str, cu_dtype: torch.dtype) -> None:
+    """The offsets of a varlen decode call served from the memo are checked in the
+    extension's step: any but one token a sequence gets the full checks' message and leaves
+    the pool as it was."""
+    offsets, pattern = VARLEN_ERRORS[name]
+    x = _varlen(_inputs(4, 1))
+    pool = _pool6()
+    good = torch.arange(5, dtype=cu_dtype)
+    _step(x, pool, torch.tensor([0, 1, 2, 3]), cu_seqlens=good)
+    _step(x, pool, torch.tensor([7, -1, 5, 4]), cu_seqlens=good)  # from the memo
+    before = pool.clone()
+    with pytest.raises(ValueError, match=pattern):
+        _step(x, pool, torch.tensor([0, 1, 2, 3]), cu_seqlens=torch.tensor(offsets, dtype=cu_dtype))
+    assert torch.equal(pool, before)
+    with pytest.raises(ValueError, match=r"row 6 is written twice"):  # and the rows, with good offsets
+        _step(x, pool, torch.tensor([6, 1, 2, 6]), cu_seqlens=good)
+    assert torch.equal(pool, before)
+
+
 def test_start_rows_read_by_another_sequence_after_a_good_call() -> None:
     x = _inputs(2, 1)
     pool = _pool6()
@@ -193,11 +232,13 @@ def _reference_step(x: dict, pool64: torch.Tensor, table: list, accepted=None) -
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("token_major,rows_layout", [(False, "int32"), (False, "column"), (True, "int32")])
+@pytest.mark.parametrize("token_major,rows_layout", [(False, "int32"), (False, "column"), (False, "varlen"),
+                                                     (True, "int32")])
 def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool, rows_layout: str) -> None:
     """A serving loop of one signature: every call after the first skips the metadata
     checks (counted) and still matches the float64 recurrence, pool rows included. "column":
-    the rows are column 0 of an int64 ``[N, 2]`` table whose column 1 holds other valid rows."""
+    the rows are column 0 of an int64 ``[N, 2]`` table whose column 1 holds other valid rows;
+    "varlen": vLLM's decode call, ``[1, N, ...]`` inputs with ``cu_seqlens`` 0, 1, ..., N."""
     from torch_gdr.ops.cpu import pool as cpu_pool
 
     full_checks = []
@@ -219,7 +260,11 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool,
             others = [row for row in range(SLOTS) if row not in table][:len(table)]
             rows = torch.tensor(list(zip(table, others)))[:, 0]
             assert rows.stride() == (2,)
-        o = _step(x, pool, rows)
+        if rows_layout == "varlen":
+            x = _varlen(x)
+            o = _step(x, pool, rows, cu_seqlens=torch.arange(len(table) + 1, dtype=torch.int32))
+        else:
+            o = _step(x, pool, rows)
         assert o.shape == x["v"].shape
         torch.testing.assert_close(o.reshape(expected.shape).double(), expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pool.double(), pool64, rtol=1e-4, atol=1e-5)

@@ -398,15 +398,16 @@ def fused_recurrent_gated_delta_rule(
             selection, v_first, prepared = route
             if prepared is not None:  # the backend's step of this signature, index values checked
                 o = prepared(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
-                             initial_state_indices, A_log, dt_bias)
+                             initial_state_indices, A_log, dt_bias, cu_seqlens)
                 if o is not None:
                     return o, initial_state
-            gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-            o = run_pool_step(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
-                              cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=v_first,
-                              validate=validate, backend=backend, gating=gating,
-                              initial_state_indices=initial_state_indices, selection=selection)
-            return o, initial_state
+            if cu_seqlens is None:  # varlen: offsets that might break a rule get every check below
+                gating = Gating(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+                o = run_pool_step(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
+                                  cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  state_v_first=v_first, validate=validate, backend=backend, gating=gating,
+                                  initial_state_indices=initial_state_indices, selection=selection)
+                return o, initial_state
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -486,17 +487,18 @@ def _pool_route_key(q, k, v, g, beta, scale, initial_state, output_final_state, 
                     disable_state_update) -> Optional[tuple]:
     """The signature of a public in-place pool step (:mod:`torch_gdr._decode_memo`, with the
     backend and strict-mode variables the selection reads), or None for a call the route memo
-    does not serve: traced, varlen (offsets are values), without g or beta, with serving
-    extras, a tensor ``scale`` (a value the checks read) or the deprecated
-    ``transpose_state_layout`` (which warns on every call)."""
-    if (torch.compiler.is_compiling() or g is None or beta is None or cu_seqlens is not None
+    does not serve: traced, without g or beta, with serving extras, a tensor ``scale`` (a
+    value the checks read), ``cu_seqlens_cpu`` or the deprecated ``transpose_state_layout``
+    (which warns on every call). A varlen route (offsets are values) is taken only through
+    its backend's prepared step, which checks them; elsewhere the call runs every check."""
+    if (torch.compiler.is_compiling() or g is None or beta is None
             or isinstance(scale, torch.Tensor) or transpose_state_layout is not None
             or cu_seqlens_cpu is not None or gk is not None or gv is not None or retrieve_parent_token is not None
             or intermediate_states_buffer is not None or intermediate_state_indices is not None
             or disable_state_update is not False or inplace_final_state is False):
         return None
     return signature(q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
-                     initial_state_indices, A_log, dt_bias, output_final_state, use_qk_l2norm_in_kernel,
+                     initial_state_indices, cu_seqlens, A_log, dt_bias, output_final_state, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                      transpose_state_layout, backend, inplace_final_state, validate,
                      os.environ.get(BACKEND_ENV_VAR), strict_mode())
@@ -548,7 +550,7 @@ def _pool_step(q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, cu_seqlen
             prepared = None if prepare is None else prepare(
                 q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first, gating=gated,
-                initial_state_indices=initial_state_indices)
+                initial_state_indices=initial_state_indices, cu_seqlens=cu_seqlens)
             _POOL_ROUTES.put(route_key, (selection, state_v_first, prepared))
         return o, pool
     plan = check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,

@@ -189,12 +189,13 @@ class Backend:
             :func:`torch_gdr.ops.torch.pool.pool_recurrent_step`; returns ``o``), or None.
         prepared_pool_step: ``prepared_pool_step(q, k, v, g, beta, scale, pool, ssm_state_indices,
             num_accepted_tokens, *, use_qk_l2norm_in_kernel, state_v_first, gating,
-            initial_state_indices)``: for a plain in-place decode (no ``cu_seqlens``, no serving
+            initial_state_indices, cu_seqlens)``: for a plain in-place decode (no serving
             extras) whose signature its :attr:`pool_step` has checked and run before, a function
             ``(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
-            initial_state_indices, A_log, dt_bias) -> o or None`` running later calls of that
-            signature with only their index values checked (None: a value might break a rule;
-            run :attr:`pool_step`); or None (no such call run yet, or no such path).
+            initial_state_indices, A_log, dt_bias, cu_seqlens) -> o or None`` running later
+            calls of that signature with only their index and offset values checked (None: a
+            value might break a rule; the caller runs every check); or None (no such call run
+            yet, or no such path).
         step_inplace: ``step_inplace(call, state) -> o``: the step writing its final state
             into ``state``, the caller's ``initial_state`` (public layout, checked by
             :mod:`torch_gdr._inplace`), with no new state tensor; None: dispatch runs

@@ -134,8 +134,9 @@ class _CheckedShape(NamedTuple):
     seq_len: int
     slots: int
     as_given: bool  # q, k, v, g, beta go to the kernel as they are (no cast, no copy)
-    #: as_given, [B, 1, ...] inputs, [N] rows, no num_accepted_tokens, initial_state_indices
-    #: or gate in the kernel: the extension's ``pool_step_rows`` checks the rows and runs
+    #: as_given, one token a sequence ([N, 1, ...] inputs, or [1, N, ...] with ``cu_seqlens``),
+    #: [N] rows, no num_accepted_tokens, initial_state_indices or gate in the kernel: the
+    #: extension's ``pool_step_rows`` checks the rows (and the offsets) and runs
     one_row: bool
 
 
@@ -147,24 +148,25 @@ def _memo_key(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Te
               num_accepted_tokens: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: Optional[float],
               use_qk_l2norm_in_kernel: bool, state_v_first: bool, gating: Gating,
               initial_state_indices: Optional[Tensor], extras: bool, disable_state_update: bool) -> Optional[tuple]:
-    """The signature of a plain decode step (None for one with ``cu_seqlens``, whose
-    offsets are values, or with serving extras, which have rules of their own)."""
-    if cu_seqlens is not None or extras or disable_state_update:
+    """The signature of a plain decode step (None for one with serving extras, which have
+    rules of their own). With ``cu_seqlens`` (offsets are values) only a one-token-a-sequence
+    record is kept under it (:class:`_CheckedShape` ``one_row``), whose step checks them."""
+    if extras or disable_state_update:
         return None
-    return signature(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices, scale,
-                     use_qk_l2norm_in_kernel, state_v_first, *gating)
+    return signature(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices, cu_seqlens,
+                     scale, use_qk_l2norm_in_kernel, state_v_first, *gating)
 
 
 def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor],
                   initial_state_indices: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                  state_v_first: bool, gating: Gating) -> Optional[Tensor]:
+                  state_v_first: bool, gating: Gating, cu_seqlens: Optional[Tensor] = None) -> Optional[Tensor]:
     """The step of a call whose signature passed the checks before: only the index values
     are checked (:func:`quick_start_rows`); None where they might break a rule (the caller
     then runs every check, for the error)."""
     if shape.one_row:
         return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool,
-                                  ssm_state_indices, use_qk_l2norm_in_kernel, state_v_first, None, None,
+                                  ssm_state_indices, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, None, None,
                                   *_gating_args(gating)[2:])
     values = ssm_state_indices.tolist()
     starts = quick_start_rows(values, None if num_accepted_tokens is None else num_accepted_tokens.tolist(),
@@ -190,19 +192,20 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
 def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
                        ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, *,
                        use_qk_l2norm_in_kernel: bool = False, state_v_first: bool = False,
-                       gating: Optional[Gating] = None,
-                       initial_state_indices: Optional[Tensor] = None) -> Optional[Callable[..., Optional[Tensor]]]:
+                       gating: Optional[Gating] = None, initial_state_indices: Optional[Tensor] = None,
+                       cu_seqlens: Optional[Tensor] = None) -> Optional[Callable[..., Optional[Tensor]]]:
     """The step of later calls of this plain decode call's signature, which
     :func:`pool_recurrent_fwd` has checked and run (``Backend.prepared_pool_step``): a
     function ``(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
-    initial_state_indices, A_log, dt_bias) -> o`` (None where the index values might break a
-    rule), or None where this signature has not passed here or the kernels are not loaded.
+    initial_state_indices, A_log, dt_bias, cu_seqlens) -> o`` (None where the index or offset
+    values might break a rule), or None where this signature has not passed here or the
+    kernels are not loaded.
     Every tensor and the scale are the later call's own."""
     gating = gating or Gating()
     scale = None if scale is None else float(scale)
     l2norm, v_first = bool(use_qk_l2norm_in_kernel), bool(state_v_first)
-    shape = _CHECKED.get(_memo_key(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, None, scale, l2norm,
-                                   v_first, gating, initial_state_indices, False, False))
+    shape = _CHECKED.get(_memo_key(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
+                                   l2norm, v_first, gating, initial_state_indices, False, False))
     ext = _build.load()
     if shape is None or ext is None or torch.compiler.is_compiling():
         return None
@@ -212,7 +215,7 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
-             A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> Optional[Tensor]:
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Optional[Tensor]:
         return _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
                              initial_state_indices, None if scale is None else float(scale), l2norm, v_first,
                              Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval))
@@ -225,14 +228,16 @@ def _rows_step(ext, l2norm: bool, v_first: bool, beta_sigmoid: bool,
     """:func:`prepared_pool_step`'s step where every sequence has one token and its ``[N]``
     row (no ``num_accepted_tokens``, no ``initial_state_indices``, no gate in the kernel)
     and q, k, v, g, beta go to the kernel as they are: one call into the extension, which
-    checks the row values (in range, none written twice) and runs the kernel, or returns None
-    and runs nothing where a value might break a rule."""
+    checks the row values (in range, none written twice) and the offsets (one token a
+    sequence) and runs the kernel, or returns None and runs nothing where a value might
+    break a rule."""
 
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
-             A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> Optional[Tensor]:
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Optional[Tensor]:
         return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else float(scale), pool,
-                                  ssm_state_indices, l2norm, v_first, None, None, beta_sigmoid, beta_scale)
+                                  ssm_state_indices, cu_seqlens, l2norm, v_first, None, None, beta_sigmoid,
+                                  beta_scale)
 
     return step
 
@@ -259,7 +264,7 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     ext = _build.load()
     if shape is not None and ext is not None:
         o = _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
-                          initial_state_indices, scale, use_qk_l2norm_in_kernel, state_v_first, gating)
+                          initial_state_indices, scale, use_qk_l2norm_in_kernel, state_v_first, gating, cu_seqlens)
         if o is not None:
             return o
     plan = _pool.check_pool_args(q, k, v, g, beta, scale, pool, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
@@ -294,10 +299,11 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     if key is not None:
         as_given = all(view is given for view, given in zip((qb, kb, vb, gb, bb), batched))
         one_row = (as_given and not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
-                   and plan.seq_lens[0] == 1 and num_accepted_tokens is None
+                   and all(length == 1 for length in plan.seq_lens) and num_accepted_tokens is None
                    and initial_state_indices is None and not gating.use_gate_in_kernel)
-        _CHECKED.put(key, _CheckedShape(plan.token_major, plan.num_seqs, width, plan.seq_lens[0], plan.slots,
-                                        as_given, one_row))
+        if cu_seqlens is None or one_row:  # the other varlen steps' rules read the offsets
+            _CHECKED.put(key, _CheckedShape(plan.token_major, plan.num_seqs, width, plan.seq_lens[0], plan.slots,
+                                            as_given, one_row))
     return o.reshape(v.shape)
 
 

@@ -353,25 +353,41 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
 // A plain decode step over [N] rows (one token a sequence, written to its row, read from it)
 // whose call's metadata passed the pool rules before (torch_gdr/ops/cpu/pool.py's memo): the
 // value rules checked here, then the kernel -> o, or None where a value might break a rule (a
-// row outside [-1, slots), a row written twice), and nothing is run (the caller then runs
-// every check, for the error). rows: int32 or int64 [N], any stride; the rest as
-// pool_recurrent_fwd. One call from Python: no int64 copy of the rows, no list of them.
+// row outside [-1, slots), a row written twice, offsets other than one token a sequence), and
+// nothing is run (the caller then runs every check, for the error). rows: int32 or int64 [N],
+// any stride; q, k, v [N, 1, *, *], or [1, N, *, *] with cu_seqlens int32 or int64 [N + 1]
+// (vLLM's decode call: then 0, 1, ..., N); the rest as pool_recurrent_fwd. One call from
+// Python: no int64 copy of the rows, no list of them.
+template <typename I>
+void read_index(const Tensor& t, std::vector<int64_t>& out) {
+  const I* x = t.data_ptr<I>();
+  const int64_t step = t.stride(0);
+  for (size_t n = 0; n < out.size(); ++n) out[n] = x[static_cast<int64_t>(n) * step];
+}
+
+bool read_index_values(const Tensor& t, std::vector<int64_t>& out) {
+  if (!t.device().is_cpu() || t.dim() != 1 || t.size(0) != static_cast<int64_t>(out.size())) return false;
+  if (t.scalar_type() == at::kInt) return read_index<int32_t>(t, out), true;
+  if (t.scalar_type() == at::kLong) return read_index<int64_t>(t, out), true;
+  return false;
+}
+
 py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                          double scale, const Tensor& pool, const Tensor& rows, bool l2norm, bool v_first,
-                          const optional<Tensor>& A_log, const optional<Tensor>& dt_bias, bool beta_sigmoid,
-                          double beta_scale) {
-  TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 1 && q.dim() == 4 && rows.size(0) == q.size(0),
-              "rows: expected a CPU tensor [N] with N = ", q.dim() == 4 ? q.size(0) : -1, ", got ", rows.sizes());
-  TORCH_CHECK(rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong, "rows: expected int32 or int64, got ",
-              rows.scalar_type());
-  const int64_t num = rows.size(0), slots = pool.size(0), step = rows.stride(0);
+                          double scale, const Tensor& pool, const Tensor& rows, const optional<Tensor>& cu_seqlens,
+                          bool l2norm, bool v_first, const optional<Tensor>& A_log, const optional<Tensor>& dt_bias,
+                          bool beta_sigmoid, double beta_scale) {
+  TORCH_CHECK(q.dim() == 4, "q: expected [B, T, H, K], got ", q.sizes());
+  const bool varlen = cu_seqlens.has_value() && cu_seqlens->defined();
+  TORCH_CHECK(varlen ? q.size(0) == 1 : q.size(1) == 1, "q: expected ", varlen ? "[1, N, H, K]" : "[N, 1, H, K]",
+              " for one token a sequence, got ", q.sizes());
+  const int64_t num = varlen ? q.size(1) : q.size(0), slots = pool.size(0);
   std::vector<int64_t> values(static_cast<size_t>(num));
-  if (rows.scalar_type() == at::kInt) {
-    const int32_t* x = rows.data_ptr<int32_t>();
-    for (int64_t n = 0; n < num; ++n) values[n] = x[n * step];
-  } else {
-    const int64_t* x = rows.data_ptr<int64_t>();
-    for (int64_t n = 0; n < num; ++n) values[n] = x[n * step];
+  if (!read_index_values(rows, values)) return py::none();
+  if (varlen) {  // one token a sequence: 0, 1, ..., N
+    std::vector<int64_t> offsets(static_cast<size_t>(num + 1));
+    if (!read_index_values(*cu_seqlens, offsets)) return py::none();
+    for (int64_t n = 0; n <= num; ++n)
+      if (offsets[n] != n) return py::none();
   }
   std::vector<int64_t> written;
   written.reserve(values.size());
@@ -382,7 +398,10 @@ py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, con
   std::sort(written.begin(), written.end());
   if (std::adjacent_find(written.begin(), written.end()) != written.end()) return py::none();
   gdr::Problem p = make_problem(q, v, {}, 64, scale, l2norm);
-  TORCH_CHECK(q.size(1) == 1, "q: expected one token a sequence, got ", q.size(1));
+  if (varlen) {  // the N tokens of the one batch row are N sequences
+    p.bos.resize(num), p.len.assign(num, 1);
+    for (int64_t n = 0; n < num; ++n) p.bos[n] = n;
+  }
   check_token_inputs(p, q, k, v, g, beta);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   gdr::PoolArgs args;

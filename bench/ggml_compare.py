@@ -16,8 +16,9 @@ compared:
   ``chunk_gated_delta_rule(backend="cpu")`` (o and the final state) against the op;
 - decode, one token, B = 1 / 8 / 64, H16/HV32: our pool step over a 512-slot float32 pool at
   random rows, in place (the CPU backend's step, and the exported
-  ``fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)`` with int32 rows as serving
-  engines call it), and our per-sequence step (contiguous states, in place), against the
+  ``fused_recurrent_gated_delta_rule(..., ssm_state_indices=...)`` with int32 rows, batched
+  ``[B, 1, ...]`` and packed ``[1, B, ...]`` with ``cu_seqlens`` as vLLM's decode calls it),
+  and our per-sequence step (contiguous states, in place), against the
   op reading B contiguous states from a random place of a 512-slot value-first pool (its
   output, o and the new states, in one buffer of its own), and against the op followed by
   a copy of its new states over the states it read (``ggml_cpy`` in the same graph: the
@@ -219,6 +220,17 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
             torch_gdr.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta=x["beta"],
                                                        initial_state=pool, ssm_state_indices=rows, backend="cpu")
 
+    packed = {name: t.transpose(0, 1) for name, t in x.items()}  # [1, B, ...] views, one token a sequence
+    offsets = torch.arange(batch + 1, dtype=torch.int32)
+
+    def public_varlen():  # the exported call as vLLM's decode makes it: packed tokens, cu_seqlens, int32 rows
+        rows = torch.randperm(SLOTS, generator=gen)[:batch].to(torch.int32)
+        with torch.no_grad():
+            torch_gdr.fused_recurrent_gated_delta_rule(packed["q"], packed["k"], packed["v"], packed["g"],
+                                                       beta=packed["beta"], initial_state=pool,
+                                                       ssm_state_indices=rows, cu_seqlens=offsets,
+                                                       inplace_final_state=True, backend="cpu")
+
     def per_sequence():
         start = int(torch.randint(0, SLOTS - batch + 1, (1,), generator=gen))
         with torch.no_grad():
@@ -237,15 +249,16 @@ def decode(driver: ctypes.CDLL, threads: int, rounds: int, batch: int, pool: tor
 
     # a round runs each variant `reps` times (one small step is too short to time alone)
     reps = max(1, 16 // batch)
-    variants = {"public": public, "pool_step": pool_step, "per_sequence": per_sequence, "ggml": ggml,
-                "ggml_write_back": ggml_write_back}
+    variants = {"public": public, "public_varlen": public_varlen, "pool_step": pool_step,
+                "per_sequence": per_sequence, "ggml": ggml, "ggml_write_back": ggml_write_back}
     times = alternate({name: (lambda call=call: [call() for _ in range(reps)]) for name, call in variants.items()},
                       rounds, warmup=2)
     med = {n: statistics.median(t) * 1e6 / reps for n, t in times.items()}
     print(f"decode B={batch} H{heads}/HV{v_heads}: ours pool step {med['pool_step']:.0f} us (public call "
           f"{med['public']:.0f} us), ours per-sequence {med['per_sequence']:.0f} us, ggml {med['ggml']:.0f} us; "
           f"ggml/ours pool step {ratio(times, 'ggml', 'pool_step'):.2f}x, public call "
-          f"{ratio(times, 'ggml', 'public'):.2f}x, per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
+          f"{ratio(times, 'ggml', 'public'):.2f}x, vLLM's varlen call ({med['public_varlen']:.0f} us) "
+          f"{ratio(times, 'ggml', 'public_varlen'):.2f}x, per-sequence {ratio(times, 'ggml', 'per_sequence'):.2f}x"
           f" (target B=1 >= 1.0); ggml with the write-back {med['ggml_write_back']:.0f} us: / ours pool step "
           f"{ratio(times, 'ggml_write_back', 'pool_step'):.2f}x, public call "
           f"{ratio(times, 'ggml_write_back', 'public'):.2f}x; agreement {agree:.2e}")

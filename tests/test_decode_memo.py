@@ -233,12 +233,14 @@ def _reference_step(x: dict, pool64: torch.Tensor, table: list, accepted=None) -
 
 
 @pytest.mark.parametrize("token_major,rows_layout", [(False, "int32"), (False, "column"), (False, "varlen"),
-                                                     (True, "int32")])
+                                                     (False, "varlen_cast"), (True, "int32")])
 def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool, rows_layout: str) -> None:
     """A serving loop of one signature: every call after the first skips the metadata
     checks (counted) and still matches the float64 recurrence, pool rows included. "column":
     the rows are column 0 of an int64 ``[N, 2]`` table whose column 1 holds other valid rows;
-    "varlen": vLLM's decode call, ``[1, N, ...]`` inputs with ``cu_seqlens`` 0, 1, ..., N."""
+    "varlen": vLLM's decode call, ``[1, N, ...]`` inputs with ``cu_seqlens`` 0, 1, ..., N;
+    "varlen_cast": the same with g and beta in bfloat16 (vLLM's gating gives beta in the
+    model's dtype), cast to float32 for the kernel."""
     from torch_gdr.ops.cpu import pool as cpu_pool
 
     full_checks = []
@@ -250,6 +252,8 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool,
     rng = random.Random(3)
     for step in range(6):
         x = _inputs(3, 1, seed=step)
+        if rows_layout == "varlen_cast":
+            x.update({name: x[name].to(torch.bfloat16) for name in ("g", "beta")})
         table = rng.sample(range(-1, SLOTS), 3)
         if token_major:  # one sequence of one token a call, [T, ...] inputs
             x = {f: t[0] for f, t in x.items()}
@@ -260,7 +264,7 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool,
             others = [row for row in range(SLOTS) if row not in table][:len(table)]
             rows = torch.tensor(list(zip(table, others)))[:, 0]
             assert rows.stride() == (2,)
-        if rows_layout == "varlen":
+        if rows_layout.startswith("varlen"):
             x = _varlen(x)
             o = _step(x, pool, rows, cu_seqlens=torch.arange(len(table) + 1, dtype=torch.int32))
         else:

@@ -134,9 +134,9 @@ class _CheckedShape(NamedTuple):
     seq_len: int
     slots: int
     as_given: bool  # q, k, v, g, beta go to the kernel as they are (no cast, no copy)
-    #: as_given, one token a sequence ([N, 1, ...] inputs, or [1, N, ...] with ``cu_seqlens``),
-    #: [N] rows, no num_accepted_tokens, initial_state_indices or gate in the kernel: the
-    #: extension's ``pool_step_rows`` checks the rows (and the offsets) and runs
+    #: one token a sequence ([N, 1, ...] inputs, or [1, N, ...] with ``cu_seqlens``), [N] rows,
+    #: no num_accepted_tokens, initial_state_indices or gate in the kernel: the extension's
+    #: ``pool_step_rows`` checks the rows (and the offsets), casts what needs it and runs
     one_row: bool
 
 
@@ -226,11 +226,11 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 def _rows_step(ext, l2norm: bool, v_first: bool, beta_sigmoid: bool,
                beta_scale: float) -> Callable[..., Optional[Tensor]]:
     """:func:`prepared_pool_step`'s step where every sequence has one token and its ``[N]``
-    row (no ``num_accepted_tokens``, no ``initial_state_indices``, no gate in the kernel)
-    and q, k, v, g, beta go to the kernel as they are: one call into the extension, which
-    checks the row values (in range, none written twice) and the offsets (one token a
-    sequence) and runs the kernel, or returns None and runs nothing where a value might
-    break a rule."""
+    row (no ``num_accepted_tokens``, no ``initial_state_indices``, no gate in the kernel):
+    one call into the extension, which checks the row values (in range, none written twice)
+    and the offsets (one token a sequence), casts q, k to v's dtype and g, beta to float32
+    where they differ, and runs the kernel, or returns None and runs nothing where a value
+    might break a rule."""
 
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
@@ -298,7 +298,7 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                                parents, not disable_state_update, intermediate_states_buffer, buffer_rows)
     if key is not None:
         as_given = all(view is given for view, given in zip((qb, kb, vb, gb, bb), batched))
-        one_row = (as_given and not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
+        one_row = (not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
                    and all(length == 1 for length in plan.seq_lens) and num_accepted_tokens is None
                    and initial_state_indices is None and not gating.use_gate_in_kernel)
         if cu_seqlens is None or one_row:  # the other varlen steps' rules read the offsets

@@ -356,7 +356,9 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
 // row outside [-1, slots), a row written twice, offsets other than one token a sequence), and
 // nothing is run (the caller then runs every check, for the error). rows: int32 or int64 [N],
 // any stride; q, k, v [N, 1, *, *], or [1, N, *, *] with cu_seqlens int32 or int64 [N + 1]
-// (vLLM's decode call: then 0, 1, ..., N); the rest as pool_recurrent_fwd. One call from
+// (vLLM's decode call: then 0, 1, ..., N), q and k cast to v's dtype and g, beta to float32
+// where they differ (a bfloat16 beta, as vLLM's gating gives it); the rest as
+// pool_recurrent_fwd. One call from
 // Python: no int64 copy of the rows, no list of them.
 template <typename I>
 void read_index(const Tensor& t, std::vector<int64_t>& out) {
@@ -370,6 +372,13 @@ bool read_index_values(const Tensor& t, std::vector<int64_t>& out) {
   if (t.scalar_type() == at::kInt) return read_index<int32_t>(t, out), true;
   if (t.scalar_type() == at::kLong) return read_index<int64_t>(t, out), true;
   return false;
+}
+
+// t as a one-token-a-sequence step reads it (kernels.py's _token_view): itself where it has
+// `dtype` and a contiguous last dim, else a contiguous copy in `dtype`.
+Tensor token_input(const Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype && (t.dim() == 3 || t.stride(-1) == 1 || t.size(-1) == 1)) return t;
+  return t.to(dtype).contiguous();
 }
 
 py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -397,12 +406,16 @@ py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, con
   }
   std::sort(written.begin(), written.end());
   if (std::adjacent_find(written.begin(), written.end()) != written.end()) return py::none();
-  gdr::Problem p = make_problem(q, v, {}, 64, scale, l2norm);
+  // q, k in v's dtype, g and beta float32, as the checked call's step had them
+  const Tensor qd = token_input(q, v.scalar_type()), kd = token_input(k, v.scalar_type()),
+               vd = token_input(v, v.scalar_type()), g32 = token_input(g, at::kFloat),
+               beta32 = token_input(beta, at::kFloat);
+  gdr::Problem p = make_problem(qd, vd, {}, 64, scale, l2norm);
   if (varlen) {  // the N tokens of the one batch row are N sequences
     p.bos.resize(num), p.len.assign(num, 1);
     for (int64_t n = 0; n < num; ++n) p.bos[n] = n;
   }
-  check_token_inputs(p, q, k, v, g, beta);
+  check_token_inputs(p, qd, kd, vd, g32, beta32);
   set_gating(p, A_log, dt_bias, beta_sigmoid, beta_scale);
   gdr::PoolArgs args;
   args.pool = state_view(pool, "pool", p, v_first, false);
@@ -410,7 +423,7 @@ py::object pool_step_rows(const Tensor& q, const Tensor& k, const Tensor& v, con
   args.width = 1;
   args.start_rows = values.data();
   args.write_pool = true;
-  return py::cast(run_pool_step(p, q, k, v, g, beta, args));
+  return py::cast(run_pool_step(p, qd, kd, vd, g32, beta32, args));
 }
 
 // One pair-dot step per lane (tests; gdr::pair_dot_lanes): acc float32 [n], a and b int32 [n]

@@ -275,6 +275,66 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool,
     assert len(full_checks) == 1
 
 
+def _reference_varlen(x: dict, pool64: torch.Tensor, table: list, accepted: list, offsets: list) -> torch.Tensor:
+    """The float64 recurrence of a varlen pool call (``[1, T, ...]`` inputs, sequence n the
+    tokens ``offsets[n]:offsets[n + 1]``, starting from ``table[n][accepted[n] - 1]``,
+    token j writing ``table[n][j]``) on ``pool64`` (updated); returns ``o`` ``[1, T, HV, V]``."""
+    outs = []
+    for n in range(len(table)):
+        state = pool64[table[n][accepted[n] - 1]].clone()[None]
+        for j, t in enumerate(range(offsets[n], offsets[n + 1])):
+            piece = [x[f][:, t:t + 1].double() for f in ("q", "k", "v", "g", "beta")]
+            o, state = naive_recurrent_gated_delta_rule(*piece, None, state, True, True)
+            pool64[table[n][j]] = state[0]
+            outs.append(o[0, 0])
+    return torch.stack(outs)[None]
+
+
+def test_memo_served_speculative_varlen_steps(monkeypatch) -> None:
+    """vLLM's speculative decode call: [1, N * L, ...] inputs, ``cu_seqlens`` 0, L, 2L, ...,
+    ``[N, S]`` rows and ``num_accepted_tokens``. Served from the memo while the offsets repeat
+    (one full check in a loop, results of the float64 recurrence); other valid offsets get every
+    check again (and their results), invalid ones the full checks' errors."""
+    from torch_gdr.ops.cpu import pool as cpu_pool
+
+    full_checks = []
+    original = _pool.check_pool_args
+    monkeypatch.setattr(_pool, "check_pool_args", lambda *a, **kw: full_checks.append(1) or original(*a, **kw))
+    cpu_pool._CHECKED.clear()
+    pool = _pool6()
+    pool64 = pool.double()
+    rng = random.Random(5)
+    offsets = [0, 2, 4]
+    for step in range(5):
+        x = _varlen(_inputs(4, 1, seed=10 + step))  # [1, 4, ...]: two sequences of two tokens
+        rows = rng.sample(range(SLOTS), 6)
+        table, accepted = [rows[:3], rows[3:]], [rng.randint(1, 3), rng.randint(1, 3)]
+        expected = _reference_varlen(x, pool64, table, accepted, offsets)
+        o = _step(x, pool, torch.tensor(table, dtype=torch.int32), num_accepted_tokens=torch.tensor(accepted),
+                  cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+        torch.testing.assert_close(o.double(), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pool.double(), pool64, rtol=1e-4, atol=1e-5)
+    assert len(full_checks) == 1
+    # other valid offsets (three tokens, then one): checked again, and computed with them
+    x = _varlen(_inputs(4, 1, seed=20))
+    table, accepted = [[0, 1, 2], [3, 4, 5]], [1, 1]
+    expected = _reference_varlen(x, pool64, table, accepted, [0, 3, 4])
+    o = _step(x, pool, torch.tensor(table, dtype=torch.int32), num_accepted_tokens=torch.tensor(accepted),
+              cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    torch.testing.assert_close(o.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(pool.double(), pool64, rtol=1e-4, atol=1e-5)
+    assert len(full_checks) == 2
+    # offsets under which sequence 0 writes (its third token) the row sequence 1 starts from
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"row 4 is read by sequence 1 and written by sequence 0"):
+        _step(x, pool, torch.tensor([[0, 1, 4], [3, 4, 5]], dtype=torch.int32), num_accepted_tokens=torch.tensor([1, 2]),
+              cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected the last offset to equal the number of tokens T = 4"):
+        _step(x, pool, torch.tensor(table, dtype=torch.int32), num_accepted_tokens=torch.tensor(accepted),
+              cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32))
+    assert torch.equal(pool, before)
+
+
 def test_memo_tells_strides_apart() -> None:
     """A q that is a strided view (every other element) after a contiguous q of the same
     shape: a new signature, so the kernel gets a contiguous copy, not the view."""

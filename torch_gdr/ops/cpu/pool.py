@@ -125,8 +125,8 @@ def _parent_table(retrieve_parent_token: Tensor, lens: tuple[int, ...], width: i
 
 
 class _CheckedShape(NamedTuple):
-    """What the pool rules derived from a decode call's metadata (no ``cu_seqlens``, no
-    serving extras), remembered per signature (:mod:`torch_gdr._decode_memo`)."""
+    """What the pool rules derived from a decode call's metadata (no serving extras),
+    remembered per signature (:mod:`torch_gdr._decode_memo`)."""
 
     token_major: bool
     num_seqs: int
@@ -138,6 +138,9 @@ class _CheckedShape(NamedTuple):
     #: no num_accepted_tokens, initial_state_indices or gate in the kernel: the extension's
     #: ``pool_step_rows`` checks the rows (and the offsets), casts what needs it and runs
     one_row: bool
+    #: with ``cu_seqlens`` (every sequence of one length, e.g. vLLM's speculative decode): the
+    #: offsets, which a later call must repeat to be served here; None without
+    offsets: Optional[list[int]] = None
 
 
 #: Decode signatures that passed :func:`torch_gdr._pool.check_pool_args` here.
@@ -149,8 +152,8 @@ def _memo_key(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Te
               use_qk_l2norm_in_kernel: bool, state_v_first: bool, gating: Gating,
               initial_state_indices: Optional[Tensor], extras: bool, disable_state_update: bool) -> Optional[tuple]:
     """The signature of a plain decode step (None for one with serving extras, which have
-    rules of their own). With ``cu_seqlens`` (offsets are values) only a one-token-a-sequence
-    record is kept under it (:class:`_CheckedShape` ``one_row``), whose step checks them."""
+    rules of their own). With ``cu_seqlens`` (offsets are values) only records of sequences of
+    one length are kept under it, whose step checks the offsets (:class:`_CheckedShape`)."""
     if extras or disable_state_update:
         return None
     return signature(q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens, initial_state_indices, cu_seqlens,
@@ -162,12 +165,14 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
                   initial_state_indices: Optional[Tensor], scale: Optional[float], use_qk_l2norm_in_kernel: bool,
                   state_v_first: bool, gating: Gating, cu_seqlens: Optional[Tensor] = None) -> Optional[Tensor]:
     """The step of a call whose signature passed the checks before: only the index values
-    are checked (:func:`quick_start_rows`); None where they might break a rule (the caller
-    then runs every check, for the error)."""
+    are checked (:func:`quick_start_rows`), and the offsets against the record's; None where
+    they might break a rule (the caller then runs every check, for the error)."""
     if shape.one_row:
         return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool,
                                   ssm_state_indices, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, None, None,
                                   *_gating_args(gating)[2:])
+    if cu_seqlens is not None and cu_seqlens.tolist() != shape.offsets:
+        return None
     values = ssm_state_indices.tolist()
     starts = quick_start_rows(values, None if num_accepted_tokens is None else num_accepted_tokens.tolist(),
                               None if initial_state_indices is None else initial_state_indices.tolist(),
@@ -183,8 +188,9 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
         dtype = v.dtype
         q, k, v = _token_view(q, dtype), _token_view(k, dtype), _token_view(v, dtype)
         g, beta = _token_view(g, torch.float32), _token_view(beta, torch.float32)
+    cu = None if cu_seqlens is None else _host_rows(cu_seqlens)
     o = ext.pool_recurrent_fwd(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool, indices,
-                               start_rows, use_qk_l2norm_in_kernel, None, state_v_first, *_gating_args(gating), None,
+                               start_rows, use_qk_l2norm_in_kernel, cu, state_v_first, *_gating_args(gating), None,
                                True, None, None)
     return o.squeeze(0) if shape.token_major else o
 
@@ -218,7 +224,7 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
              A_log: Optional[Tensor], dt_bias: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Optional[Tensor]:
         return _checked_step(ext, shape, q, k, v, g, beta, pool, ssm_state_indices, num_accepted_tokens,
                              initial_state_indices, None if scale is None else float(scale), l2norm, v_first,
-                             Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval))
+                             Gating(gate, A_log, dt_bias, beta_sigmoid, neg_eigval), cu_seqlens)
 
     return step
 
@@ -301,9 +307,9 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         one_row = (not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
                    and all(length == 1 for length in plan.seq_lens) and num_accepted_tokens is None
                    and initial_state_indices is None and not gating.use_gate_in_kernel)
-        if cu_seqlens is None or one_row:  # the other varlen steps' rules read the offsets
+        if cu_seqlens is None or len(set(plan.seq_lens)) == 1:  # other offsets: every check, every call
             _CHECKED.put(key, _CheckedShape(plan.token_major, plan.num_seqs, width, plan.seq_lens[0], plan.slots,
-                                            as_given, one_row))
+                                            as_given, one_row, None if cu_seqlens is None else cu.tolist()))
     return o.reshape(v.shape)
 
 

@@ -232,6 +232,18 @@ def _reference_step(x: dict, pool64: torch.Tensor, table: list, accepted=None) -
     return torch.stack(outs)
 
 
+def _count_full_checks(monkeypatch) -> list:
+    """A list that gets an entry per full run of the pool checks, with the CPU step's memo
+    emptied first."""
+    from torch_gdr.ops.cpu import pool as cpu_pool
+
+    full_checks: list = []
+    original = _pool.check_pool_args
+    monkeypatch.setattr(_pool, "check_pool_args", lambda *a, **kw: full_checks.append(1) or original(*a, **kw))
+    cpu_pool._CHECKED.clear()
+    return full_checks
+
+
 @pytest.mark.parametrize("token_major,rows_layout", [(False, "int32"), (False, "column"), (False, "varlen"),
                                                      (False, "varlen_cast"), (True, "int32")])
 def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool, rows_layout: str) -> None:
@@ -241,12 +253,7 @@ def test_memo_served_steps_follow_the_recurrence(monkeypatch, token_major: bool,
     "varlen": vLLM's decode call, ``[1, N, ...]`` inputs with ``cu_seqlens`` 0, 1, ..., N;
     "varlen_cast": the same with g and beta in bfloat16 (vLLM's gating gives beta in the
     model's dtype), cast to float32 for the kernel."""
-    from torch_gdr.ops.cpu import pool as cpu_pool
-
-    full_checks = []
-    original = _pool.check_pool_args
-    monkeypatch.setattr(_pool, "check_pool_args", lambda *a, **kw: full_checks.append(1) or original(*a, **kw))
-    cpu_pool._CHECKED.clear()
+    full_checks = _count_full_checks(monkeypatch)
     pool = _pool6()
     pool64 = pool.double()
     rng = random.Random(3)
@@ -295,12 +302,7 @@ def test_memo_served_speculative_varlen_steps(monkeypatch) -> None:
     ``[N, S]`` rows and ``num_accepted_tokens``. Served from the memo while the offsets repeat
     (one full check in a loop, results of the float64 recurrence); other valid offsets get every
     check again (and their results), invalid ones the full checks' errors."""
-    from torch_gdr.ops.cpu import pool as cpu_pool
-
-    full_checks = []
-    original = _pool.check_pool_args
-    monkeypatch.setattr(_pool, "check_pool_args", lambda *a, **kw: full_checks.append(1) or original(*a, **kw))
-    cpu_pool._CHECKED.clear()
+    full_checks = _count_full_checks(monkeypatch)
     pool = _pool6()
     pool64 = pool.double()
     rng = random.Random(5)

@@ -168,9 +168,8 @@ def _checked_step(ext, shape: _CheckedShape, q: Tensor, k: Tensor, v: Tensor, g:
     are checked (:func:`quick_start_rows`), and the offsets against the record's; None where
     they might break a rule (the caller then runs every check, for the error)."""
     if shape.one_row:
-        return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool,
-                                  ssm_state_indices, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, None, None,
-                                  *_gating_args(gating)[2:])
+        return _one_row_step(ext, q, k, v, g, beta, scale, pool, ssm_state_indices, cu_seqlens,
+                             use_qk_l2norm_in_kernel, state_v_first, *_gating_args(gating)[2:])
     if cu_seqlens is not None and cu_seqlens.tolist() != shape.offsets:
         return None
     values = ssm_state_indices.tolist()
@@ -215,9 +214,9 @@ def prepared_pool_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     ext = _build.load()
     if shape is None or ext is None or torch.compiler.is_compiling():
         return None
-    gate, beta_sigmoid, neg_eigval = gating.use_gate_in_kernel, gating.use_beta_sigmoid_in_kernel, gating.allow_neg_eigval
     if shape.one_row:
-        return _rows_step(ext, l2norm, v_first, beta_sigmoid, 2.0 if beta_sigmoid and neg_eigval else 1.0)
+        return _rows_step(ext, l2norm, v_first, *_gating_args(gating)[2:])
+    gate, beta_sigmoid, neg_eigval = gating.use_gate_in_kernel, gating.use_beta_sigmoid_in_kernel, gating.allow_neg_eigval
 
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
@@ -241,11 +240,19 @@ def _rows_step(ext, l2norm: bool, v_first: bool, beta_sigmoid: bool,
     def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
              ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor], initial_state_indices: Optional[Tensor],
              A_log: Optional[Tensor], dt_bias: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Optional[Tensor]:
-        return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else float(scale), pool,
-                                  ssm_state_indices, cu_seqlens, l2norm, v_first, None, None, beta_sigmoid,
-                                  beta_scale)
+        return _one_row_step(ext, q, k, v, g, beta, None if scale is None else float(scale), pool, ssm_state_indices,
+                             cu_seqlens, l2norm, v_first, beta_sigmoid, beta_scale)
 
     return step
+
+
+def _one_row_step(ext, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                  pool: Tensor, rows: Tensor, cu_seqlens: Optional[Tensor], l2norm: bool, v_first: bool,
+                  beta_sigmoid: bool, beta_scale: float) -> Optional[Tensor]:
+    """The extension's ``pool_step_rows`` (:class:`_CheckedShape` ``one_row``): o, or None
+    where a row or offset value might break a rule."""
+    return ext.pool_step_rows(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, pool, rows,
+                              cu_seqlens, l2norm, v_first, None, None, beta_sigmoid, beta_scale)
 
 
 def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
@@ -304,7 +311,7 @@ def _cpu_pool_step_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                                parents, not disable_state_update, intermediate_states_buffer, buffer_rows)
     if key is not None:
         as_given = all(view is given for view, given in zip((qb, kb, vb, gb, bb), batched))
-        one_row = (not plan.token_major and ssm_state_indices.dim() == 1 and width == 1
+        one_row = (not plan.token_major and ssm_state_indices.dim() == 1
                    and all(length == 1 for length in plan.seq_lens) and num_accepted_tokens is None
                    and initial_state_indices is None and not gating.use_gate_in_kernel)
         if cu_seqlens is None or len(set(plan.seq_lens)) == 1:  # other offsets: every check, every call

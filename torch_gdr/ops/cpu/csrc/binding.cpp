@@ -358,8 +358,7 @@ Tensor pool_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, con
 // any stride; q, k, v [N, 1, *, *], or [1, N, *, *] with cu_seqlens int32 or int64 [N + 1]
 // (vLLM's decode call: then 0, 1, ..., N), q and k cast to v's dtype and g, beta to float32
 // where they differ (a bfloat16 beta, as vLLM's gating gives it); the rest as
-// pool_recurrent_fwd. One call from
-// Python: no int64 copy of the rows, no list of them.
+// pool_recurrent_fwd. One call from Python: no int64 copy of the rows, no list of them.
 template <typename I>
 void read_index(const Tensor& t, std::vector<int64_t>& out) {
   const I* x = t.data_ptr<I>();
@@ -369,9 +368,14 @@ void read_index(const Tensor& t, std::vector<int64_t>& out) {
 
 bool read_index_values(const Tensor& t, std::vector<int64_t>& out) {
   if (!t.device().is_cpu() || t.dim() != 1 || t.size(0) != static_cast<int64_t>(out.size())) return false;
-  if (t.scalar_type() == at::kInt) return read_index<int32_t>(t, out), true;
-  if (t.scalar_type() == at::kLong) return read_index<int64_t>(t, out), true;
-  return false;
+  if (t.scalar_type() == at::kInt) {
+    read_index<int32_t>(t, out);
+  } else if (t.scalar_type() == at::kLong) {
+    read_index<int64_t>(t, out);
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // t as a one-token-a-sequence step reads it (kernels.py's _token_view): itself where it has
